@@ -1,0 +1,102 @@
+"""Chained block hashes of token ids: the one definition of a prefix key that the engine (KV
+events) and the router (prefix lookup in an index or a metadata store) both use.
+
+Token ids are cut into blocks of ``block_size``; block ``i``'s hash takes block ``i - 1``'s hash
+as input, so equal hashes at block ``i`` mean equal prefixes up to the end of block ``i``. A
+trailing partial block is hashed only when ``hash_partial`` is set.
+
+Exact definitions, so another system can compute the same keys (``toks`` is the block's token
+ids; ``ns`` the namespace string, "" when absent; integers are little-endian):
+
+``sha256`` (hex strings)
+    root   = sha256(b"radixserve:" + ns.encode() + b":" + str(seed).encode()).digest()
+    h[i]   = sha256(h[i-1] + b"".join(t.to_bytes(8, "little", signed=True) for t in toks))
+    output = h[i].hex()   (64 lowercase hex characters; h[-1] is root)
+
+``sha256_cbor`` (hex strings)
+    root   = sha256(cbor2.dumps(["radixserve", ns, seed], canonical=True)).digest()
+    h[i]   = sha256(cbor2.dumps([h[i-1], list(toks)], canonical=True)).digest()
+    output = h[i].hex()
+
+``xxhash64`` (unsigned 64-bit ints)
+    root   = xxh64(b"radixserve:" + ns.encode(), seed=seed)
+    h[i]   = xxh64(h[i-1].to_bytes(8, "little") + <toks as int64 little-endian>, seed=seed)
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import cbor2
+import xxhash
+
+HashValue = Any  # str for the sha256 family, int for xxhash64
+
+
+def _tokens_bytes(toks: Sequence[int]) -> bytes:
+    return b"".join(t.to_bytes(8, "little", signed=True) for t in toks)
+
+
+def _sha256_root(ns: str, seed: int) -> bytes:
+    return hashlib.sha256(b"radixserve:" + ns.encode() + b":" + str(seed).encode()).digest()
+
+
+def _sha256_step(prev: bytes, toks: Sequence[int], seed: int) -> bytes:
+    return hashlib.sha256(prev + _tokens_bytes(toks)).digest()
+
+
+def _cbor_root(ns: str, seed: int) -> bytes:
+    return hashlib.sha256(cbor2.dumps(["radixserve", ns, seed], canonical=True)).digest()
+
+
+def _cbor_step(prev: bytes, toks: Sequence[int], seed: int) -> bytes:
+    return hashlib.sha256(cbor2.dumps([prev, list(toks)], canonical=True)).digest()
+
+
+def _xx_root(ns: str, seed: int) -> int:
+    return xxhash.xxh64_intdigest(b"radixserve:" + ns.encode(), seed=seed)
+
+
+def _xx_step(prev: int, toks: Sequence[int], seed: int) -> int:
+    return xxhash.xxh64_intdigest(prev.to_bytes(8, "little") + _tokens_bytes(toks), seed=seed)
+
+
+@dataclass(frozen=True, slots=True)
+class _Algo:
+    root: Callable[[str, int], Any]
+    step: Callable[[Any, Sequence[int], int], Any]
+    out: Callable[[Any], HashValue]
+
+
+ALGORITHMS: dict[str, _Algo] = {
+    "sha256": _Algo(_sha256_root, _sha256_step, bytes.hex),
+    "sha256_cbor": _Algo(_cbor_root, _cbor_step, bytes.hex),
+    "xxhash64": _Algo(_xx_root, _xx_step, lambda h: h),
+}
+
+
+def block_hashes(
+    token_ids: Sequence[int],
+    block_size: int = 16,
+    algorithm: str = "sha256",
+    seed: int = 0,
+    namespace: str | None = None,
+    hash_partial: bool = False,
+) -> list[HashValue]:
+    """Chained hash of every whole block of ``token_ids`` (and of the partial last block when
+    ``hash_partial``). Deterministic across processes and machines (no use of ``hash()``)."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    algo = ALGORITHMS.get(algorithm)
+    if algo is None:
+        raise ValueError(f"unknown hash algorithm {algorithm!r}; choose from {sorted(ALGORITHMS)}")
+    prev = algo.root(namespace or "", seed)
+    end = len(token_ids) if hash_partial else len(token_ids) - len(token_ids) % block_size
+    out: list[HashValue] = []
+    for start in range(0, end, block_size):
+        prev = algo.step(prev, token_ids[start : min(start + block_size, end)], seed)
+        out.append(algo.out(prev))
+    return out

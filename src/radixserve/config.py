@@ -1,0 +1,102 @@
+"""Frozen dataclass configs for every component; CLI flags are generated from their fields.
+
+Each field's ``metadata["help"]`` is its help text; ``add_dataclass_args`` turns a dataclass
+into an argparse group and ``from_args`` builds the dataclass back from parsed arguments.
+Values derived at run time live in the components' own runtime objects, never here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    page_size: int = _f(1, "tokens per KV page; matches and inserts are truncated to whole pages")
+    eviction_policy: str = _f("lru", "radix-tree eviction order", choices=("lru", "lfu", "fifo"))
+    disable_radix_cache: bool = _f(False, "turn prefix reuse off (every prompt is computed whole)")
+    max_total_tokens: int = _f(65536, "KV slots in the pool (tokens)")
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.max_total_tokens < self.page_size:
+            raise ValueError("max_total_tokens must hold at least one page")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    schedule_policy: str = _f(
+        "lpm",
+        "waiting-queue order",
+        choices=("fcfs", "lpm", "dfs-weight", "lof", "random", "routing-key"),
+    )
+    max_prefill_tokens: int = _f(16384, "uncached prompt tokens admitted per prefill step")
+    chunked_prefill_size: int = _f(8192, "longest prefill chunk of one request (-1: no chunking)")
+    max_running_requests: int = _f(256, "most requests running at once")
+    max_wait_ms: float | None = _f(
+        None, "a request waiting longer than this is admitted ahead of cache order (None: never)"
+    )
+    enable_priority_scheduling: bool = _f(
+        False, "order the waiting queue by request priority first"
+    )
+    priority_preemption_threshold: int | None = _f(
+        None, "preempt a running request whose priority is lower by more than this (None: never)"
+    )
+    new_token_ratio: float = _f(0.7, "initial share of remaining new tokens reserved per decode")
+    min_new_token_ratio: float = _f(0.1, "floor the reserved share decays to")
+    new_token_ratio_decay: float = _f(0.001, "decay of the reserved share per decode step")
+    seed: int = _f(0, "seed of the random policy")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    model: str | None = _f(None, "HF directory or .gguf file (default: built-in SmolLM2-135M)")
+    dtype: str = _f("float32", "weights and KV dtype", choices=("float32", "bfloat16", "float16"))
+    device: str = _f("cpu", "torch device (cpu, cuda, cuda:0, ...)")
+    context_length: int | None = _f(None, "longest sequence (default: the model's)")
+    weights_cache_dir: str = _f(
+        "~/.cache/radixserve", "where a .gguf model is converted (dequantized) once, and reused"
+    )
+    sampling_seed: int = _f(0, "seed of the sampler for requests that carry no seed of their own")
+
+
+def _base_type(tp: Any) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0]
+    return tp
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
+    """Add one ``--flag-name`` per field of ``cls`` to a new argument group."""
+    group = parser.add_argument_group(title)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        tp = _base_type(hints[f.name])
+        kw: dict[str, Any] = {"dest": f.name, "default": f.default, "help": f.metadata.get("help")}
+        if tp is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+            continue
+        if "choices" in f.metadata:
+            kw["choices"] = f.metadata["choices"]
+        group.add_argument(flag, type=tp, **kw)
+
+
+def from_args(cls: type[T], args: argparse.Namespace) -> T:
+    """Build ``cls`` from the parsed arguments that share its field names."""
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    return cls(**{k: v for k, v in vars(args).items() if k in names})

@@ -1,0 +1,209 @@
+"""How long one forward step of a batch takes on a given GPU and model, by a roofline model.
+
+Owns the model and GPU specs, the named presets (``llama3-8b-h100``, ...) and the KV budget.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+# A step is costed as three phases that run one after the other on every GPU:
+#   linear layers  one pass over the weights for all tokens of the batch: a roofline
+#                  max(FLOPs / achievable FLOP/s, weight bytes / achievable bandwidth), so a
+#                  small decode batch is bound by reading the weights and a big prefill by math;
+#   attention      prefill and decode kernels, each a roofline over its own FLOPs and KV bytes
+#                  (prefill is compute-bound, decode reads the KV of every running context);
+#   all-reduce     two per layer under tensor parallelism (after attention and after the MLP);
+# plus a fixed per-step overhead (scheduling, sampling, kernel launches). The phases are summed
+# rather than overlapped: a mixed prefill+decode step is one forward pass, and a GPU runs its
+# layers' kernels in sequence.
+
+
+class StepEntry(NamedTuple):
+    """One request's share of a step; a plain ``(new, context, is_prefill)`` tuple also works."""
+
+    num_new_tokens: int
+    context_len: int  # tokens already in the KV cache before this step
+    is_prefill: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    name: str
+    num_params: float
+    num_layers: int
+    hidden_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype_bytes: int = 2  # bf16 weights and KV
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.num_params * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of every layer for one token, on the whole model (all GPUs together)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class GpuSpec:
+    name: str
+    peak_flops: float  # dense bf16 FLOP/s
+    mem_bandwidth: float  # HBM bytes/s
+    memory_bytes: float
+    link_bandwidth: float  # NVLink bytes/s per direction
+
+
+@dataclass(frozen=True, slots=True)
+class StepCost:
+    """A step's time in seconds, by phase (their sum is ``total``)."""
+
+    linear: float
+    attention: float
+    allreduce: float
+    overhead: float
+
+    @property
+    def total(self) -> float:
+        return self.linear + self.attention + self.allreduce + self.overhead
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """A model served on ``tp`` GPUs of one kind, with the efficiencies it reaches on them.
+
+    The efficiencies and overheads are assumptions of the order that tuned engines reach;
+    calibrate them against a measured engine before trusting absolute times.
+    """
+
+    name: str
+    model: ModelSpec
+    gpu: GpuSpec
+    tp: int = 1
+    compute_efficiency: float = 0.5  # assumption: end-to-end MFU of a tuned bf16 prefill
+    bandwidth_efficiency: float = 0.8  # assumption: share of HBM peak that a decode GEMV reaches
+    link_efficiency: float = 0.7  # assumption: NCCL ring bus bandwidth / NVLink peak
+    allreduce_latency_s: float = 8e-6  # assumption: small-message all-reduce latency on NVLink
+    step_overhead_s: float = 1e-3  # assumption: scheduling, sampling and launch time per step
+    # share of GPU memory kept for activations, CUDA graphs and allocator slack: what SGLang
+    # leaves with --mem-fraction-static 0.88
+    activation_reserve: float = 0.12
+
+    def __post_init__(self) -> None:
+        if self.tp < 1:
+            raise ValueError(f"tp must be >= 1, got {self.tp}")
+        for name in ("compute_efficiency", "bandwidth_efficiency", "link_efficiency"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
+        if self.kv_capacity_tokens <= 0:
+            raise ValueError(f"{self.name}: the weights leave no GPU memory for the KV cache")
+
+    @property
+    def kv_bytes_per_token_per_gpu(self) -> float:
+        # tensor parallelism splits the KV heads; with more GPUs than KV heads they are copied
+        heads = max(self.model.num_kv_heads / self.tp, 1)
+        return self.model.kv_bytes_per_token * heads / self.model.num_kv_heads
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens of KV that fit beside the weights and the activation reserve on each GPU."""
+        free = self.gpu.memory_bytes * (1 - self.activation_reserve)
+        free -= self.model.weight_bytes / self.tp
+        return int(free // self.kv_bytes_per_token_per_gpu)
+
+    def step_time(self, entries: Iterable[StepEntry | tuple[int, int, bool]]) -> float:
+        """Seconds one forward step over ``entries`` takes (0 for an empty step)."""
+        return self.step_cost(entries).total
+
+    def step_cost(self, entries: Iterable[StepEntry | tuple[int, int, bool]]) -> StepCost:
+        batch = [StepEntry(*e) for e in entries]
+        tokens = sum(e.num_new_tokens for e in batch)
+        if tokens == 0:
+            return StepCost(0.0, 0.0, 0.0, 0.0)
+        attention = self._attention_time([e for e in batch if e.is_prefill])
+        attention += self._attention_time([e for e in batch if not e.is_prefill])
+        return StepCost(
+            linear=self._linear_time(tokens),
+            attention=attention,
+            allreduce=self._allreduce_time(tokens),
+            overhead=self.step_overhead_s,
+        )
+
+    def _roofline(self, flops: float, nbytes: float) -> float:
+        compute = flops / (self.gpu.peak_flops * self.compute_efficiency)
+        memory = nbytes / (self.gpu.mem_bandwidth * self.bandwidth_efficiency)
+        return max(compute, memory)
+
+    def _linear_time(self, tokens: int) -> float:
+        # 2 FLOPs (multiply, add) per parameter per token; each GPU holds 1/tp of the weights
+        flops = 2 * self.model.num_params * tokens / self.tp
+        return self._roofline(flops, self.model.weight_bytes / self.tp)
+
+    def _attention_time(self, entries: list[StepEntry]) -> float:
+        if not entries:
+            return 0.0
+        m = self.model
+        flops = 0.0
+        nbytes = 0.0
+        for new, ctx, _ in entries:
+            # QK^T and AV: 2 matmuls x 2 FLOPs over hidden_size per (query, key) pair; a causal
+            # query sees the cached context plus on average half of the new tokens
+            flops += 4 * m.num_layers * m.hidden_size * new * (ctx + new / 2)
+            nbytes += self.kv_bytes_per_token_per_gpu * (ctx + new)  # read context, write new
+        return self._roofline(flops / self.tp, nbytes)
+
+    def _allreduce_time(self, tokens: int) -> float:
+        if self.tp == 1:
+            return 0.0
+        nbytes = tokens * self.model.hidden_size * self.model.dtype_bytes
+        # a ring all-reduce sends 2 (n - 1) / n of the buffer over each GPU's link
+        wire = 2 * (self.tp - 1) / self.tp * nbytes
+        one = wire / (self.gpu.link_bandwidth * self.link_efficiency) + self.allreduce_latency_s
+        return 2 * self.model.num_layers * one
+
+
+# Model shapes from the Llama 3 model cards and config.json (meta-llama/Meta-Llama-3-8B and
+# -70B: num_hidden_layers, hidden_size, num_key_value_heads, head_dim = hidden / 32 or 64 heads);
+# parameter counts as Hugging Face lists them (8.03B, 70.6B).
+LLAMA3_8B = ModelSpec("llama3-8b", 8.03e9, 32, 4096, num_kv_heads=8, head_dim=128)
+LLAMA3_70B = ModelSpec("llama3-70b", 70.6e9, 80, 8192, num_kv_heads=8, head_dim=128)
+# GPU peaks from NVIDIA's datasheets: H100 SXM 989 TFLOP/s dense bf16, 3.35 TB/s HBM3, 80 GB,
+# NVLink 900 GB/s total (450 per direction); A100 SXM 80GB 312 TFLOP/s dense bf16,
+# 2.039 TB/s HBM2e, NVLink 600 GB/s total (300 per direction).
+H100_SXM = GpuSpec("h100-sxm", 989e12, 3.35e12, 80e9, link_bandwidth=450e9)
+A100_SXM_80GB = GpuSpec("a100-sxm-80gb", 312e12, 2.039e12, 80e9, link_bandwidth=300e9)
+# A toy model on a toy device: steps of tens of microseconds, about 25k tokens of KV.
+TINY_MODEL = ModelSpec("tiny", 1e6, 2, 64, num_kv_heads=2, head_dim=32)
+TINY_DEVICE = GpuSpec("cpu-toy", 1e12, 1e11, 16 * 2**20, link_bandwidth=1e10)
+
+COST_MODELS: dict[str, CostModel] = {}
+
+
+def register_cost_model(cost_model: CostModel) -> CostModel:
+    """Add a preset to the registry under its name (names are unique)."""
+    if cost_model.name in COST_MODELS:
+        raise ValueError(f"cost model {cost_model.name!r} is already registered")
+    COST_MODELS[cost_model.name] = cost_model
+    return cost_model
+
+
+def get_cost_model(name: str) -> CostModel:
+    """The preset called ``name``; a ValueError lists the known ones."""
+    try:
+        return COST_MODELS[name]
+    except KeyError:
+        known = ", ".join(sorted(COST_MODELS))
+        raise ValueError(f"unknown cost model {name!r}; known: {known}") from None
+
+
+register_cost_model(CostModel("llama3-8b-h100", LLAMA3_8B, H100_SXM))
+register_cost_model(CostModel("llama3-8b-a100", LLAMA3_8B, A100_SXM_80GB))
+register_cost_model(CostModel("llama3-70b-tp4-h100", LLAMA3_70B, H100_SXM, tp=4))
+register_cost_model(CostModel("llama3-70b-tp4-a100", LLAMA3_70B, A100_SXM_80GB, tp=4))
+register_cost_model(
+    CostModel("tiny-cpu", TINY_MODEL, TINY_DEVICE, allreduce_latency_s=0.0, step_overhead_s=1e-5)
+)

@@ -1,0 +1,91 @@
+"""SimRunner: the Runner protocol without a model, for simulated engines and tests.
+
+Next tokens are a hash of the context and each step's duration comes from a cost model.
+"""
+
+from __future__ import annotations
+
+from radixserve.sched.batch import Batch, BatchEntry, StepResult
+from radixserve.sim.costmodel import CostModel, StepEntry, get_cost_model
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """SplitMix64's finaliser: a cheap integer hash whose output bits all depend on the input."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+class SimRunner:
+    """Returns a next token per sampled entry and the step's duration; never sleeps.
+
+    The next token depends only on (last token, sequence length, seed), so a request produces
+    the same output whether its prefix came from the cache, was recomputed after a retraction,
+    or was prefilled in chunks. ``eos_token_id`` is never produced unless ``eos_prob`` > 0, in
+    which case it is produced at that rate, still as a function of the context.
+    """
+
+    def __init__(
+        self,
+        cost_model: str | CostModel = "tiny-cpu",
+        vocab_size: int = 32000,
+        seed: int = 0,
+        eos_token_id: int | None = None,
+        eos_prob: float = 0.0,
+    ) -> None:
+        if vocab_size < 2:
+            raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
+        if not 0 <= eos_prob <= 1:
+            raise ValueError(f"eos_prob must be in [0, 1], got {eos_prob}")
+        if eos_prob > 0 and eos_token_id is None:
+            raise ValueError("eos_prob > 0 needs an eos_token_id")
+        if isinstance(cost_model, str):
+            cost_model = get_cost_model(cost_model)
+        self.cost_model = cost_model
+        self.vocab_size = vocab_size
+        self.seed = seed
+        self.eos_token_id = eos_token_id
+        # compare the hash's top 32 bits with a threshold instead of drawing a float
+        self._eos_threshold = int(eos_prob * (1 << 32))
+
+    def run(self, batch: Batch) -> StepResult:
+        tokens = [self._sample(e) for e in batch.entries]
+        duration = self.cost_model.step_time(step_entries(batch))
+        return StepResult(next_token_ids=tokens, duration=duration)
+
+    def next_token(self, last_token: int, seq_len: int) -> int:
+        """The token that follows a context of ``seq_len`` tokens ending in ``last_token``."""
+        h = _mix64(_mix64(self.seed ^ (last_token & _MASK64)) ^ seq_len)
+        if self.eos_token_id is not None and (h >> 32) < self._eos_threshold:
+            return self.eos_token_id
+        token = h % self.vocab_size
+        if token == self.eos_token_id:
+            token = (token + 1) % self.vocab_size
+        return token
+
+    def generate(self, input_ids: list[int], max_new_tokens: int) -> list[int]:
+        """What this runner outputs for a prompt, without a scheduler (stops after an EOS)."""
+        if not input_ids:
+            raise ValueError("generate needs a non-empty prompt")
+        out: list[int] = []
+        last, seq_len = input_ids[-1], len(input_ids)
+        while len(out) < max_new_tokens:
+            last = self.next_token(last, seq_len)
+            out.append(last)
+            seq_len += 1
+            if last == self.eos_token_id:
+                break
+        return out
+
+    def _sample(self, entry: BatchEntry) -> int | None:
+        if not entry.sample:
+            return None
+        return self.next_token(entry.token_ids[-1], entry.seq_len)
+
+
+def step_entries(batch: Batch) -> list[StepEntry]:
+    """The cost model's view of a batch: new tokens, cached context, prefill or decode."""
+    return [StepEntry(len(e.token_ids), e.start_pos, e.is_prefill) for e in batch.entries]

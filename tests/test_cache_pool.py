@@ -1,0 +1,74 @@
+"""Slot allocator and request slot table: exact accounting and clear errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from radixserve.cache.pool import RequestSlotTable, SlotAllocator, SlotError
+
+
+def test_token_granular_alloc_free() -> None:
+    alloc = SlotAllocator(8)
+    a = alloc.alloc(5)
+    assert len(set(a)) == 5 and alloc.available() == 3
+    alloc.free(a[:2])
+    assert alloc.available() == 5
+
+
+def test_paged_alloc_takes_whole_pages() -> None:
+    alloc = SlotAllocator(64, page_size=16)
+    slots = alloc.alloc(17)
+    assert len(slots) == 17 and alloc.available() == 32
+    assert slots[:16] == list(range(slots[0], slots[0] + 16))
+    alloc.free(slots)
+    assert alloc.available() == 64
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_errors_are_clear(page_size: int) -> None:
+    alloc = SlotAllocator(8, page_size)
+    slots = alloc.alloc(4)
+    alloc.free(slots)
+    with pytest.raises(SlotError, match="double free"):
+        alloc.free(slots)
+    with pytest.raises(SlotError, match="outside the pool"):
+        alloc.free([100])
+    with pytest.raises(SlotError, match="out of KV slots"):
+        alloc.alloc(9)
+    assert alloc.available() == 8
+
+
+def test_request_table_extends_within_last_page() -> None:
+    alloc = SlotAllocator(32, page_size=4)
+    table = RequestSlotTable(alloc)
+    table.open("r", [])
+    first = table.extend("r", 3)
+    assert table.extend_cost("r", 1) == 0  # room left in the page
+    nxt = table.extend("r", 1)
+    assert nxt == [first[-1] + 1]
+    assert table.extend_cost("r", 1) == 4
+    table.extend("r", 1)
+    assert table.held() == 8 and alloc.available() == 24
+    table.close("r")
+    assert alloc.available() == 32 and len(table) == 0
+
+
+def test_adopt_prefix_frees_duplicates() -> None:
+    alloc = SlotAllocator(16)
+    table = RequestSlotTable(alloc)
+    cached = alloc.alloc(2)  # held by "the cache"
+    table.open("r", [])
+    own = table.extend("r", 4)
+    table.adopt_prefix("r", cached + own[2:3])  # cache had 2 already; took one more of ours
+    assert table.slots("r") == cached + own[2:]
+    assert table.held() == 1
+    assert alloc.available() == 16 - 2 - 2  # our two duplicates went back to the pool
+    table.close("r")
+    assert alloc.available() == 16 - 2 - 1
+
+
+def test_open_twice_is_an_error() -> None:
+    table = RequestSlotTable(SlotAllocator(4))
+    table.open("r", [])
+    with pytest.raises(SlotError):
+        table.open("r", [])

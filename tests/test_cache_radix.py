@@ -1,0 +1,201 @@
+"""RadixCache against a naive reference model, driven by a hypothesis state machine."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from radixserve.cache.pool import SlotAllocator
+from radixserve.cache.radix import RadixCache
+from radixserve.config import CacheConfig
+
+BASES = [[0] * 40, [1, 2] * 20, [3, 1, 4, 1, 5] * 8]
+
+
+def prompts(max_len: int) -> st.SearchStrategy[list[int]]:
+    """Prompts that share prefixes often: a slice of a base sequence plus a short random tail."""
+    return st.builds(
+        lambda base, cut, tail: (base * (max_len // 40 + 1))[:cut] + tail,
+        st.sampled_from(BASES),
+        st.integers(0, max_len),
+        st.lists(st.integers(0, 5), max_size=max_len // 4),
+    )
+
+
+class RadixMachine(RuleBasedStateMachine):
+    page_size = 1
+    max_len = 40
+
+    def __init__(self) -> None:
+        super().__init__()
+        p = self.page_size
+        self.cache = RadixCache(
+            CacheConfig(page_size=p, max_total_tokens=4096, eviction_policy="lru")
+        )
+        self.alloc = SlotAllocator(16 * self.max_len * p, p)
+        # every cached page-aligned prefix -> the slots of its last page
+        self.ref: dict[tuple[int, ...], tuple[int, ...]] = {}
+        self.running: list[tuple[list[int], list[int], int, object]] = []
+
+    def aligned(self, n: int) -> int:
+        return n - n % self.page_size
+
+    def ref_match(self, tokens: list[int]) -> list[int]:
+        k = 0
+        while k + self.page_size <= len(tokens) and tuple(tokens[: k + self.page_size]) in self.ref:
+            k += self.page_size
+        p = self.page_size
+        return [s for i in range(p, k + 1, p) for s in self.ref[tuple(tokens[:i])]]
+
+    @rule(tokens=prompts(max_len))
+    def match(self, tokens: list[int]) -> None:
+        result = self.cache.match_prefix(tokens)
+        assert result.slots == self.ref_match(tokens)
+        assert result.length == len(result.slots)
+
+    @rule(tokens=prompts(max_len))
+    def start_request(self, tokens: list[int]) -> None:
+        result = self.cache.match_prefix(tokens)
+        need = len(tokens) - result.length
+        if self.alloc.pages_for(need) * self.page_size > self.alloc.available():
+            self.alloc.free(self.cache.evict(need))
+            self.sync_ref_after_evict()
+        if self.alloc.pages_for(need) * self.page_size > self.alloc.available():
+            return
+        self.cache.lock(result.last_node)
+        slots = result.slots + self.alloc.alloc(need)
+        self.running.append((tokens, slots, result.length, result.last_node))
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def finish_request(self, data: st.DataObject) -> None:
+        i = data.draw(st.integers(0, len(self.running) - 1))
+        tokens, slots, matched, node = self.running.pop(i)
+        end = self.aligned(len(tokens))
+        already = self.cache.insert(tokens, slots)
+        assert matched <= already <= end
+        p = self.page_size
+        for k in range(already + p, end + 1, p):
+            self.ref.setdefault(tuple(tokens[:k]), tuple(slots[k - p : k]))
+        dupes = slots[matched:already] + slots[end:]
+        dupes = [s for s in dupes if s not in self.cached_slots()] if already > matched else dupes
+        if dupes:
+            self.alloc.free(dupes)
+        self.cache.unlock(node)
+
+    def cached_slots(self) -> set[int]:
+        return {s for page in self.ref.values() for s in page}
+
+    @rule(n=st.integers(0, 200))
+    def evict(self, n: int) -> None:
+        before = self.cache.evictable_size()
+        freed = self.cache.evict(n)
+        assert len(freed) >= min(n, before)
+        assert not set(freed) & self.locked_slots(), "evicted a locked prefix"
+        self.alloc.free(freed)
+        self.sync_ref_after_evict(set(freed))
+
+    def locked_slots(self) -> set[int]:
+        return {s for _, slots, matched, _ in self.running for s in slots[:matched]}
+
+    def sync_ref_after_evict(self, freed: set[int] | None = None) -> None:
+        if freed is None:
+            freed = self.cached_slots() - {s for s in self.cache_values()}
+        self.ref = {k: v for k, v in self.ref.items() if v[0] not in freed}
+
+    def cache_values(self) -> list[int]:
+        return [s for node in self.cache._nodes() for s in node.value]
+
+    @invariant()
+    def accounting(self) -> None:
+        self.cache.check_integrity()
+        held = sum(
+            self.alloc.pages_for(len(slots) - matched) * self.page_size
+            for _, slots, matched, _ in self.running
+        )
+        total = self.cache.evictable_size() + self.cache.protected_size()
+        assert total == len(self.ref) * self.page_size
+        assert self.alloc.available() + total + held == self.alloc.total
+        protected = {s for s in self.locked_slots()}
+        assert self.cache.protected_size() == len(protected)
+
+
+class RadixMachinePaged(RadixMachine):
+    page_size = 16
+    max_len = 80
+
+
+TestRadixPage1 = RadixMachine.TestCase
+TestRadixPage1.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
+TestRadixPage16 = RadixMachinePaged.TestCase
+TestRadixPage16.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo"])
+def test_eviction_order(policy: str) -> None:
+    cache = RadixCache(CacheConfig(eviction_policy=policy))
+    cache.insert([1, 1], [0, 1])  # oldest
+    cache.insert([2, 2], [2, 3])
+    cache.match_prefix([2, 2])  # used once, before [1, 1] is used thrice
+    for _ in range(3):
+        cache.match_prefix([1, 1])  # [1, 1] becomes most recent and most used
+    cache.insert([3, 3], [4, 5])
+    first = cache.evict(1)
+    assert first == {"lru": [2, 3], "lfu": [4, 5], "fifo": [0, 1]}[policy]
+
+
+def test_parent_becomes_evictable_leaf() -> None:
+    cache = RadixCache()
+    cache.insert([1, 2, 3], [0, 1, 2])
+    cache.insert([1, 2, 4], [0, 1, 3])  # splits after [1, 2]
+    assert sorted(cache.evict(10)) == [0, 1, 2, 3]
+    assert cache.total_size() == 0
+    cache.check_integrity()
+
+
+def test_locked_node_survives_eviction() -> None:
+    cache = RadixCache()
+    cache.insert([5, 6, 7], [0, 1, 2])
+    hit = cache.match_prefix([5, 6, 9])
+    cache.lock(hit.last_node)
+    assert (cache.protected_size(), cache.evictable_size()) == (2, 1)
+    assert cache.evict(3) == [2]
+    assert cache.match_prefix([5, 6]).slots == [0, 1]
+    cache.unlock(hit.last_node)
+    assert cache.evict(3) == [0, 1]
+    with pytest.raises(RuntimeError):
+        cache.unlock(hit.last_node)
+
+
+def test_namespaces_never_share() -> None:
+    cache = RadixCache()
+    cache.insert([1, 2, 3], [0, 1, 2], namespace="lora-a")
+    assert cache.match_prefix([1, 2, 3]).length == 0
+    assert cache.match_prefix([1, 2, 3], namespace="lora-b").length == 0
+    assert cache.match_prefix([1, 2, 3], namespace="lora-a").slots == [0, 1, 2]
+    assert cache.insert([1, 2, 3], [7, 8, 9], namespace="lora-b") == 0
+    cache.check_integrity()
+
+
+def test_paged_match_and_insert_are_page_truncated() -> None:
+    cache = RadixCache(CacheConfig(page_size=4))
+    toks = list(range(10))
+    assert cache.insert(toks, list(range(100, 110))) == 0
+    assert cache.total_size() == 8
+    assert cache.match_prefix(toks).length == 8
+    assert cache.match_prefix(toks[:6] + [99, 99]).length == 4  # diverges inside page 2
+    cache.check_integrity()
+
+
+def test_reset_returns_slots_and_refuses_when_locked() -> None:
+    cache = RadixCache()
+    cache.insert([1, 2], [3, 4])
+    hit = cache.match_prefix([1, 2])
+    cache.lock(hit.last_node)
+    with pytest.raises(RuntimeError):
+        cache.reset()
+    cache.unlock(hit.last_node)
+    assert sorted(cache.reset()) == [3, 4]
+    assert cache.total_size() == 0

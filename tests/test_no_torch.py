@@ -1,0 +1,47 @@
+"""The cache, scheduler, router policies and simulator must run where torch cannot be imported."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+PURE = [
+    "radixserve.cache.radix",
+    "radixserve.cache.pool",
+    "radixserve.cache.hashing",
+    "radixserve.config",
+    "radixserve.sched.request",
+    "radixserve.sched.batch",
+]
+OPTIONAL = [
+    "radixserve.sched.scheduler",
+    "radixserve.sched.policy",
+    "radixserve.router.tree",
+    "radixserve.router.policies",
+    "radixserve.sim.costmodel",
+    "radixserve.sim.runner",
+    "radixserve.sim.workloads",
+]
+
+BLOCK_TORCH = """
+import importlib.abc, importlib.util, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("torch is blocked in this test")
+sys.meta_path.insert(0, Block())
+import importlib
+for mod in sys.argv[1:]:
+    if importlib.util.find_spec(mod) is not None:
+        importlib.import_module(mod)
+assert "torch" not in sys.modules
+print("ok")
+"""
+
+
+def test_pure_parts_import_without_torch() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", BLOCK_TORCH, *PURE, *OPTIONAL], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
