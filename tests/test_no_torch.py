@@ -32,7 +32,11 @@ class Block(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, Block())
 import importlib
 for mod in sys.argv[1:]:
-    if importlib.util.find_spec(mod) is not None:
+    try:
+        found = importlib.util.find_spec(mod) is not None
+    except ModuleNotFoundError:  # its package does not exist yet
+        found = False
+    if found:
         importlib.import_module(mod)
 assert "torch" not in sys.modules
 print("ok")
