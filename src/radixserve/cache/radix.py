@@ -61,16 +61,20 @@ _ORDER = {
 }
 
 
-def _common_len(a: list[int], b: Sequence[int], start: int, end: int) -> int:
-    """Length of the common prefix of ``a`` and ``b[start:end]`` (binary search on C-speed
-    slice comparisons: far faster in CPython than a token-by-token loop)."""
-    n = min(len(a), end - start)
-    if (a if n == len(a) else a[:n]) == b[start : start + n]:
+def _common_len(key: list[int], tokens: list[int], start: int, end: int) -> int:
+    """Length of the common prefix of ``key`` and ``tokens[start:end]``.
+
+    C-speed list comparisons, far faster in CPython than a token-by-token loop: one for a
+    whole-node match (the common case), then a binary search for where a mismatch lies that
+    compares only the half still in doubt, so O(n) in all rather than O(n log n)."""
+    n = min(len(key), end - start)
+    window = tokens[start : start + n]
+    if (key if n == len(key) else key[:n]) == window:
         return n
-    lo, hi = 0, n  # a[:lo] matches, a[:hi] does not
+    lo, hi = 0, n  # key[:lo] == window[:lo]; the first difference is in [lo, hi)
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if a[:mid] == b[start : start + mid]:
+        if key[lo:mid] == window[lo:mid]:
             lo = mid
         else:
             hi = mid
@@ -139,6 +143,7 @@ class RadixCache:
     # -- match / insert --------------------------------------------------------------------
     def match_prefix(self, tokens: Sequence[int], namespace: Hashable | None = None) -> MatchResult:
         """Longest cached prefix of ``tokens`` (whole pages); splits a node the match ends in."""
+        tokens = _as_list(tokens)  # keys are lists, and a list never equals a tuple or array
         end = self._aligned(len(tokens))
         node = self.namespace_root(namespace)
         slots: list[int] = []
@@ -165,6 +170,7 @@ class RadixCache:
         already cached, whose slots in ``slots`` the caller must free if they are its own."""
         if len(slots) < len(tokens):
             raise ValueError(f"{len(tokens)} tokens but only {len(slots)} slots")
+        tokens = _as_list(tokens)
         end = self._aligned(len(tokens))
         node = self.namespace_root(namespace)
         tick = self._next_tick()
@@ -172,7 +178,7 @@ class RadixCache:
         while pos < end:
             child = node.children.get(self._child_key(tokens, pos))
             if child is None:
-                self._add_leaf(node, _as_list(tokens[pos:end]), _as_list(slots[pos:end]), tick)
+                self._add_leaf(node, tokens[pos:end], _as_list(slots[pos:end]), tick)
                 break
             n = self._aligned(_common_len(child.key, tokens, pos, end))
             if n < len(child.key):
