@@ -1,0 +1,130 @@
+"""The Llama-family network (Llama 2/3, SmolLM2, Mistral, Qwen2) as plain weight tensors and a
+forward pass over a flattened mixed batch that reads and writes the slot-indexed KV pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from radixserve.model import rope
+from radixserve.model.arch import ModelArch
+from radixserve.model.attention import StepPlan, attend
+from radixserve.model.kv_pool import KVPool
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    """One decoder layer, with q/k/v and gate/up fused so each is a single matmul."""
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+class LlamaModel:
+    """Weights plus ``forward``; holds no per-request state (that lives in the KV pool)."""
+
+    def __init__(
+        self,
+        arch: ModelArch,
+        tensors: Mapping[str, torch.Tensor],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.arch = arch
+        self.dtype = dtype
+        self.device = device
+
+        def get(name: str) -> torch.Tensor:
+            return tensors[name].to(device=device, dtype=dtype)
+
+        self.embed = get("model.embed_tokens.weight")
+        self.norm = get("model.norm.weight")
+        tied = arch.tie_word_embeddings or "lm_head.weight" not in tensors
+        self.lm_head = self.embed if tied else get("lm_head.weight")
+        self.layers = [_layer(tensors, f"model.layers.{i}.", get) for i in range(arch.num_layers)]
+        factors = tensors.get("rope_freqs")
+        self.inv_freq = rope.inv_freq(arch, factors).to(device)
+
+    def new_kv_pool(self, num_slots: int) -> KVPool:
+        a = self.arch
+        return KVPool(a.num_layers, num_slots, a.num_kv_heads, a.head_dim, self.dtype, self.device)
+
+    def forward(self, plan: StepPlan, kv: KVPool) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` (before the final norm) of the plan's rows; writes the
+        rows' K/V into ``kv`` at ``plan.write_slots`` on the way."""
+        x = F.embedding(plan.input_ids, self.embed)
+        cos, sin = rope.cos_sin(plan.positions, self.inv_freq, self.dtype)
+        for i, layer in enumerate(self.layers):
+            x = self._layer_forward(i, layer, x, cos, sin, plan, kv)
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits ``[N, vocab]`` of hidden rows ``[N, hidden]``."""
+        return F.linear(self._rms_norm(hidden, self.norm), self.lm_head).float()
+
+    def _layer_forward(
+        self,
+        index: int,
+        w: LayerWeights,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        plan: StepPlan,
+        kv: KVPool,
+    ) -> torch.Tensor:
+        a = self.arch
+        rows = x.shape[0]
+        qkv = F.linear(self._rms_norm(x, w.input_norm), w.qkv, w.qkv_bias)
+        qk_width = (a.num_heads + a.num_kv_heads) * a.head_dim
+        # q and k are rotated together: one rope call instead of two
+        qk = rope.apply_rope(qkv[:, :qk_width].view(rows, -1, a.head_dim), cos, sin)
+        q, k = qk[:, : a.num_heads], qk[:, a.num_heads :]
+        v = qkv[:, qk_width:].view(rows, a.num_kv_heads, a.head_dim)
+        kv.write(index, plan.write_slots, k, v)
+        x = x + F.linear(attend(q, k, v, plan, kv, index), w.o, w.o_bias)
+        gate, up = F.linear(self._rms_norm(x, w.post_norm), w.gate_up).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, w.down)
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # normalised in float32 and cast back before the weight, as transformers does
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.arch.rms_norm_eps)
+        return weight * normed.to(x.dtype)
+
+
+def _layer(
+    tensors: Mapping[str, torch.Tensor], prefix: str, get: Callable[[str], torch.Tensor]
+) -> LayerWeights:
+    attn = prefix + "self_attn."
+    mlp = prefix + "mlp."
+
+    def cat(*names: str) -> torch.Tensor | None:
+        if any(n not in tensors for n in names):
+            return None
+        return torch.cat([get(n) for n in names])
+
+    proj = [f"{attn}{p}_proj" for p in "qkv"]
+    qkv = cat(*(p + ".weight" for p in proj))
+    gate_up = cat(mlp + "gate_proj.weight", mlp + "up_proj.weight")
+    if qkv is None or gate_up is None:
+        raise KeyError(f"checkpoint lacks attention or MLP weights under {prefix!r}")
+    o_bias = attn + "o_proj.bias"
+    return LayerWeights(
+        input_norm=get(prefix + "input_layernorm.weight"),
+        qkv=qkv,
+        qkv_bias=cat(*(p + ".bias" for p in proj)),
+        o=get(attn + "o_proj.weight"),
+        o_bias=get(o_bias) if o_bias in tensors else None,
+        post_norm=get(prefix + "post_attention_layernorm.weight"),
+        gate_up=gate_up,
+        down=get(mlp + "down_proj.weight"),
+    )

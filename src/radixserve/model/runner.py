@@ -1,0 +1,96 @@
+"""TorchRunner: the real model behind the Runner protocol. It owns the weights, the KV tensor
+pool indexed by the scheduler's slot ids, and the sampler.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from radixserve.config import ModelConfig
+from radixserve.model.arch import ModelArch
+from radixserve.model.attention import StepPlan, build_plan
+from radixserve.model.kv_pool import KVPool
+from radixserve.model.llama import LlamaModel
+from radixserve.model.loader import load_weights, resolve_model_dir
+from radixserve.model.sampler import Sampler
+from radixserve.model.tokenizer import ModelInfo, load_model_info
+from radixserve.sched.batch import Batch, StepResult
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class TorchRunner:
+    """Runs Batches on a Llama-family model; ``num_slots`` is the scheduler's KV pool size."""
+
+    def __init__(self, model_config: ModelConfig, num_slots: int) -> None:
+        self.config = model_config
+        self.device = torch.device(model_config.device)
+        self.dtype = DTYPES[model_config.dtype]
+        model_dir = resolve_model_dir(model_config)
+        self.info: ModelInfo = load_model_info(model_dir, model_config.context_length)
+        arch = read_arch(model_dir)
+        started = time.perf_counter()
+        self.model = LlamaModel(arch, load_weights(model_dir), self.dtype, self.device)
+        self.load_seconds = time.perf_counter() - started
+        self.kv = self.model.new_kv_pool(num_slots)
+        self.sampler = Sampler(model_config.sampling_seed)
+
+    @property
+    def arch(self) -> ModelArch:
+        return self.model.arch
+
+    @torch.inference_mode()
+    def run(self, batch: Batch) -> StepResult:
+        """Compute the batch, write its K/V, and sample the entries that ask for a token."""
+        sampled = [i for i, e in enumerate(batch.entries) if e.sample]
+        logits = self._forward(batch, sampled)
+        tokens: list[int | None] = [None] * len(batch.entries)
+        if sampled:
+            entries = [batch.entries[i] for i in sampled]
+            params = [e.sampling for e in entries]
+            ids = self.sampler.sample(logits, params, [e.num_generated for e in entries])
+            for i, token in zip(sampled, ids, strict=True):
+                tokens[i] = token
+        return StepResult(next_token_ids=tokens)
+
+    @torch.inference_mode()
+    def logits(self, batch: Batch) -> torch.Tensor:
+        """Float32 next-token logits ``[S, vocab]`` of the entries with ``sample`` set, in batch
+        order (a step like ``run``, K/V writes included, without sampling)."""
+        return self._forward(batch, [i for i, e in enumerate(batch.entries) if e.sample])
+
+    def _forward(self, batch: Batch, sampled: list[int]) -> torch.Tensor:
+        if not batch.entries:
+            return torch.empty(0, self.arch.vocab_size, device=self.device)
+        self._check_bounds(batch)
+        plan: StepPlan = build_plan(batch.entries, self.device, self.dtype)
+        hidden = self.model.forward(plan, self.kv)
+        # only the last token of an entry that samples needs the (large) vocab projection
+        rows = [plan.last_rows[i] for i in sampled]
+        index = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        return self.model.logits(hidden.index_select(0, index))
+
+    def _check_bounds(self, batch: Batch) -> None:
+        for e in batch.entries:
+            if e.seq_len > self.info.context_length:
+                raise ValueError(
+                    f"request {e.rid}: {e.seq_len} tokens exceed the context length "
+                    f"{self.info.context_length}"
+                )
+            if e.slots and (min(e.slots) < 0 or max(e.slots) >= self.kv.num_slots):
+                raise ValueError(f"request {e.rid}: slot id outside 0..{self.kv.num_slots - 1}")
+
+
+def read_arch(model_dir: Path) -> ModelArch:
+    return ModelArch.from_hf_config(json.loads((model_dir / "config.json").read_text()))
+
+
+def kv_bytes_per_token(model_config: ModelConfig) -> int:
+    """KV cache bytes one token slot costs for this model and dtype (to size ``num_slots``)."""
+    arch = read_arch(resolve_model_dir(model_config))
+    dtype = DTYPES[model_config.dtype]
+    return KVPool.bytes_per_slot(arch.num_layers, arch.num_kv_heads, arch.head_dim, dtype)
