@@ -40,7 +40,7 @@ class SchedulerConfig:
     schedule_policy: str = _f(
         "lpm",
         "waiting-queue order",
-        choices=("fcfs", "lpm", "dfs-weight", "lof", "random", "routing-key"),
+        choices=("fcfs", "lpm", "dfs-weight", "lof", "random", "routing-key", "priority"),
     )
     max_prefill_tokens: int = _f(16384, "uncached prompt tokens admitted per prefill step")
     chunked_prefill_size: int = _f(8192, "longest prefill chunk of one request (-1: no chunking)")
@@ -58,6 +58,14 @@ class SchedulerConfig:
     min_new_token_ratio: float = _f(0.1, "floor the reserved share decays to")
     new_token_ratio_decay: float = _f(0.001, "decay of the reserved share per decode step")
     seed: int = _f(0, "seed of the random policy")
+    in_batch_prefix_threshold: int = _f(
+        32,
+        "cache-aware policies admit one of several waiting requests that share this many "
+        "uncached tokens per step; the rest follow once it is cached (0: off)",
+    )
+    enable_mixed_chunk: bool = _f(
+        False, "run running requests' decodes in the same step as a prefill chunk"
+    )
 
 
 @dataclass(frozen=True, slots=True)

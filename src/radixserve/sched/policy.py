@@ -1,0 +1,387 @@
+"""Waiting-queue policies: the order in which waiting requests are offered for admission.
+
+A registry of named orders (``--schedule-policy``) plus two wrappers: priority levels and
+bounded waiting. Every order is maintained incrementally, so one pass costs what it yields.
+"""
+
+from __future__ import annotations
+
+import random
+from bisect import bisect_left, insort
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixserve.config import SchedulerConfig
+from radixserve.sched.keyed_heap import KeyedHeap
+from radixserve.sched.request import Req
+
+
+@dataclass(slots=True)
+class PassContext:
+    """What a policy may look at besides its own requests during one pass."""
+
+    running_keys: Mapping[str, int] = field(default_factory=dict)  # routing key -> running
+
+
+class WaitingPolicy:
+    """A waiting-queue order. Rule for callers: nothing is added, removed or updated while an
+    ``order()`` iterator is in use; apply those changes after the pass."""
+
+    cache_aware = False  # orders by cached prefix (enables in-batch prefix dedupe)
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def add(self, req: Req) -> None:
+        raise NotImplementedError
+
+    def remove(self, req: Req) -> None:
+        raise NotImplementedError
+
+    def update(self, req: Req, old_node: Any) -> None:
+        """``req``'s cached-prefix match changed (it was at ``old_node``)."""
+
+    def on_split(self, upper: Any, lower: Any) -> None:
+        """The tree cut ``lower`` in two; ``upper`` is the new node above it."""
+
+    def order(self, ctx: PassContext) -> Iterator[Req]:
+        """Waiting requests, best first, lazily: a pass pays only for what it consumes."""
+        raise NotImplementedError
+
+
+POLICIES: dict[str, type[WaitingPolicy]] = {}
+
+
+def register(name: str) -> Callable[[type[WaitingPolicy]], type[WaitingPolicy]]:
+    def deco(cls: type[WaitingPolicy]) -> type[WaitingPolicy]:
+        POLICIES[name] = cls
+        return cls
+
+    return deco
+
+
+class _SortedPolicy(WaitingPolicy):
+    """A policy whose order is a per-request key (ending in the arrival number, so unique)."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        super().__init__(config)
+        self._heap = KeyedHeap()
+
+    def key(self, req: Req) -> tuple:
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def add(self, req: Req) -> None:
+        self._heap.put(req, self.key(req))
+
+    def remove(self, req: Req) -> None:
+        self._heap.discard(req)
+
+    def order(self, ctx: PassContext) -> Iterator[Req]:
+        return iter(self._heap)
+
+
+# fcfs: first come, first served. Arrival order (a retracted request keeps its place), blind
+# to the cache. The baseline every cache-aware policy is measured against.
+@register("fcfs")
+class Fcfs(_SortedPolicy):
+    def key(self, req: Req) -> tuple:
+        return (req.seq,)
+
+
+# lpm: longest prefix match first (SGLang's default). A request whose cached prefix is longest
+# costs the least to prefill and, run now, keeps that prefix hot for the next ones. Ties go in
+# arrival order. SGLang re-matches and re-sorts the whole queue every pass and falls back to
+# FCFS above 128 waiting requests; here each request's match is kept current by the
+# PrefixIndex (only tree changes that touch it re-match it) and the order is a heap re-keyed
+# on those changes, so a pass costs O(k log k) for the k requests it looks at, at any queue
+# length. Pair it with --max-wait-ms: pure LPM starves a cold request under a hot stream.
+@register("lpm")
+class LongestPrefixMatch(_SortedPolicy):
+    cache_aware = True
+
+    def key(self, req: Req) -> tuple:
+        return (-req.prefix_len, req.seq)
+
+    def update(self, req: Req, old_node: Any) -> None:
+        self.add(req)
+
+
+# lof: longest output first (by max_new_tokens), then arrival. Long generations start early,
+# so the batch's tail is not one long request decoding alone.
+@register("lof")
+class LongestOutputFirst(_SortedPolicy):
+    def key(self, req: Req) -> tuple:
+        return (-req.sampling.max_new_tokens, req.seq)
+
+
+# random: a fresh uniformly random order every pass (seeded by --seed, so runs repeat). The
+# shuffle is lazy (Fisher-Yates step by step), so a pass pays per request it consumes plus one
+# C-speed copy of the queue.
+@register("random")
+class RandomOrder(WaitingPolicy):
+    def __init__(self, config: SchedulerConfig) -> None:
+        super().__init__(config)
+        self._rng = random.Random(config.seed)
+        self._items: list[Req] = []
+        self._pos: dict[Req, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def add(self, req: Req) -> None:
+        self._pos[req] = len(self._items)
+        self._items.append(req)
+
+    def remove(self, req: Req) -> None:
+        i = self._pos.pop(req)
+        last = self._items.pop()
+        if last is not req:
+            self._items[i] = last
+            self._pos[last] = i
+
+    def order(self, ctx: PassContext) -> Iterator[Req]:
+        items, rng = list(self._items), self._rng
+        for i in range(len(items)):
+            j = rng.randrange(i, len(items))
+            items[i], items[j] = items[j], items[i]
+            yield items[i]
+
+
+# routing-key: requests whose routing key is most common in the running batch go first (ties by
+# key), the rest in arrival order. Requests of one tenant or session share context, so running
+# them together reuses the prefixes that are already locked in.
+@register("routing-key")
+class RoutingKey(WaitingPolicy):
+    def __init__(self, config: SchedulerConfig) -> None:
+        super().__init__(config)
+        self._all = KeyedHeap()
+        self._groups: dict[str, KeyedHeap] = {}
+
+    def __len__(self) -> int:
+        return len(self._all)
+
+    def add(self, req: Req) -> None:
+        self._all.put(req, (req.seq,))
+        if req.routing_key is not None:
+            self._groups.setdefault(req.routing_key, KeyedHeap()).put(req, (req.seq,))
+
+    def remove(self, req: Req) -> None:
+        self._all.discard(req)
+        group = self._groups.get(req.routing_key)  # type: ignore[arg-type]
+        if group is not None:
+            group.discard(req)
+            if not group:
+                del self._groups[req.routing_key]  # type: ignore[arg-type]
+
+    def order(self, ctx: PassContext) -> Iterator[Req]:
+        counts = ctx.running_keys
+        hot = sorted(
+            (k for k in self._groups if counts.get(k, 0) > 0), key=lambda k: (-counts[k], k)
+        )
+        for k in hot:
+            yield from self._groups[k]
+        first = set(hot)
+        for req in self._all:
+            if req.routing_key not in first:
+                yield req
+
+
+class PriorityQueues(WaitingPolicy):
+    """--enable-priority-scheduling: one inner queue per priority value, larger values first;
+    the configured policy orders each level."""
+
+    def __init__(self, config: SchedulerConfig, make: Callable[[], WaitingPolicy]) -> None:
+        super().__init__(config)
+        self._make = make
+        self._levels: dict[int, WaitingPolicy] = {}
+        self._size = 0
+        self.cache_aware = make().cache_aware
+
+    def __len__(self) -> int:
+        return self._size
+
+    def add(self, req: Req) -> None:
+        if req.priority not in self._levels:
+            self._levels[req.priority] = self._make()
+        self._levels[req.priority].add(req)
+        self._size += 1
+
+    def remove(self, req: Req) -> None:
+        level = self._levels[req.priority]
+        level.remove(req)
+        self._size -= 1
+        if not len(level):
+            del self._levels[req.priority]
+
+    def update(self, req: Req, old_node: Any) -> None:
+        self._levels[req.priority].update(req, old_node)
+
+    def on_split(self, upper: Any, lower: Any) -> None:
+        for level in self._levels.values():
+            level.on_split(upper, lower)
+
+    def order(self, ctx: PassContext) -> Iterator[Req]:
+        for p in sorted(self._levels, reverse=True):
+            yield from self._levels[p].order(ctx)
+
+
+class BoundedWait(WaitingPolicy):
+    """--max-wait-ms: requests that have waited at least ``max_wait_s`` come first, oldest
+    first; the rest follow in the inner policy's order. 0 gives FCFS, None pure inner order.
+    Aged requests are found at the front of an arrival-ordered dict, so the check costs one
+    look per aged request plus one."""
+
+    def __init__(self, inner: WaitingPolicy, max_wait_s: float, clock: Callable[[], float]):
+        super().__init__(inner.config)
+        self.inner, self.max_wait_s, self.clock = inner, max_wait_s, clock
+        self._fifo: dict[Req, None] = {}  # queue-entry order, so queued_at never decreases
+        self.cache_aware = inner.cache_aware
+
+    def __len__(self) -> int:
+        return len(self._fifo)
+
+    def add(self, req: Req) -> None:
+        self._fifo[req] = None
+        self.inner.add(req)
+
+    def remove(self, req: Req) -> None:
+        del self._fifo[req]
+        self.inner.remove(req)
+
+    def update(self, req: Req, old_node: Any) -> None:
+        self.inner.update(req, old_node)
+
+    def on_split(self, upper: Any, lower: Any) -> None:
+        self.inner.on_split(upper, lower)
+
+    def order(self, ctx: PassContext) -> Iterator[Req]:
+        line = self.clock() - self.max_wait_s  # queued at or before this: aged
+        for req in self._fifo:
+            if req.queued_at > line:
+                break
+            yield req
+        for req in self.inner.order(ctx):
+            if req.queued_at > line:
+                yield req
+
+
+# dfs-weight: requests grouped by the subtree their cached prefix ends in, heaviest subtree
+# first (weight = waiting requests in it), depth first; inside a node, deeper children before
+# the requests that end at the node itself, then arrival order. Requests sharing a prefix run
+# back to back, so the prefix is computed once and stays locked while they run. SGLang
+# rebuilds the weights from the whole queue every pass; here a node's weight is updated when a
+# request arrives, leaves or moves (O(depth)), and a pass walks only the nodes it yields from.
+@register("dfs-weight")
+class DfsWeight(WaitingPolicy):
+    cache_aware = True
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        super().__init__(config)
+        self._own: dict[Any, list[tuple[int, Req]]] = {}  # node -> its requests by arrival
+        self._weight: dict[Any, int] = {}  # node -> waiting requests in its subtree (> 0)
+        self._kids: dict[Any, dict[Any, None]] = {}  # node -> children with weight > 0
+        self._node_of: dict[Req, Any] = {}
+        self._root: Any = None
+
+    def __len__(self) -> int:
+        return len(self._node_of)
+
+    def add(self, req: Req) -> None:
+        node = req.match_node
+        self._node_of[req] = node
+        insort(self._own.setdefault(node, []), (req.seq, req))
+        self._bump(node, 1)
+
+    def remove(self, req: Req) -> None:
+        node = self._node_of.pop(req)
+        own = self._own[node]
+        del own[bisect_left(own, (req.seq,))]
+        if not own:
+            del self._own[node]
+        self._bump(node, -1)
+
+    def update(self, req: Req, old_node: Any) -> None:
+        self.remove(req)
+        self.add(req)
+
+    def _bump(self, node: Any, delta: int) -> None:
+        """Add ``delta`` to the weight of ``node`` and its ancestors. An evicted node keeps its
+        parent pointer, so its requests' weight can still be walked off it."""
+        while node is not None:
+            w = self._weight.get(node, 0) + delta
+            parent = node.parent
+            if w:
+                self._weight[node] = w
+            else:
+                del self._weight[node]
+            if parent is None:
+                self._root = node
+            elif w == 0:
+                kids = self._kids[parent]
+                del kids[node]
+                if not kids:
+                    del self._kids[parent]
+            elif w == delta:  # was 0
+                self._kids.setdefault(parent, {})[node] = None
+            node = parent
+
+    def on_split(self, upper: Any, lower: Any) -> None:
+        w = self._weight.get(lower)
+        if not w:
+            return
+        self._weight[upper] = w
+        kids = self._kids[upper.parent]
+        del kids[lower]
+        kids[upper] = None
+        self._kids[upper] = {lower: None}
+
+    def _heaviest_first(self, node: Any) -> Iterator[Any]:
+        return iter(sorted(self._kids.get(node, ()), key=self._weight.__getitem__, reverse=True))
+
+    def order(self, ctx: PassContext) -> Iterator[Req]:
+        if self._root not in self._weight:
+            return
+        stack = [(self._root, self._heaviest_first(self._root))]
+        while stack:  # iterative post-order walk: trees can be deeper than Python's recursion
+            node, kids = stack[-1]
+            kid = next(kids, None)
+            if kid is not None:
+                stack.append((kid, self._heaviest_first(kid)))
+                continue
+            stack.pop()
+            for _, req in self._own.get(node, ()):
+                yield req
+
+
+# priority: FCFS inside priority levels, larger priority first; the same as fcfs with
+# --enable-priority-scheduling, registered so that --schedule-policy priority reads naturally.
+register("priority")(Fcfs)
+
+
+def make_policy(
+    config: SchedulerConfig, clock: Callable[[], float], cache_enabled: bool = True
+) -> WaitingPolicy:
+    """The configured queue: the named policy, wrapped for bounded waiting and priorities.
+    Without a radix cache the cache-aware policies become FCFS: there is nothing to match."""
+    name = config.schedule_policy
+    if name not in POLICIES:
+        raise ValueError(f"unknown schedule policy {name!r}; choose from {sorted(POLICIES)}")
+    cls = POLICIES[name]
+    if cls.cache_aware and not cache_enabled:
+        cls = Fcfs
+    by_priority = config.enable_priority_scheduling or name == "priority"
+
+    def make() -> WaitingPolicy:
+        policy = cls(config)
+        if config.max_wait_ms is not None and cls is not Fcfs:
+            policy = BoundedWait(policy, config.max_wait_ms / 1000.0, clock)
+        return policy
+
+    return PriorityQueues(config, make) if by_priority else make()
