@@ -1,0 +1,117 @@
+"""RouterConfig: every setting of `radixserve route`, one frozen dataclass whose fields become the
+command-line flags (named as sglang-router's where it has them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixserve.router.policies import POLICIES, CachePolicyConfig
+
+
+@dataclass(frozen=True, slots=True)
+class HealthConfig:
+    """Health-check and circuit-breaker settings: the slice of RouterConfig that workers.py uses."""
+
+    interval_secs: float = 2.0
+    timeout_secs: float = 2.0
+    failure_threshold: int = 2
+    success_threshold: int = 1
+    endpoint: str = "/health"
+    cb_failure_threshold: int = 3
+    cb_success_threshold: int = 1
+    cb_timeout_secs: float = 5.0
+
+
+_POLICY = CachePolicyConfig()
+_HEALTH = HealthConfig()
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    worker_urls: tuple[str, ...] = _f((), "workers to route to at start (more can be added later)")
+    policy: str = _f("cache_aware", "routing policy", choices=tuple(sorted(POLICIES)))
+    host: str = _f("127.0.0.1", "address to listen on")
+    port: int = _f(30000, "port to listen on")
+    cache_threshold: float = _f(
+        _POLICY.cache_threshold, "cache_aware: least prefix match rate that keeps a request local"
+    )
+    balance_abs_threshold: int = _f(
+        _POLICY.balance_abs_threshold, "cache_aware: load gap (requests) tolerated for locality"
+    )
+    balance_rel_threshold: float = _f(
+        _POLICY.balance_rel_threshold, "cache_aware: load ratio tolerated for locality"
+    )
+    eviction_interval_secs: float = _f(
+        _POLICY.eviction_interval_secs, "cache_aware: seconds between tree evictions (0: never)"
+    )
+    max_tree_size: int = _f(
+        _POLICY.max_tree_size, "cache_aware: units (8 bytes of prompt) kept per worker"
+    )
+    api_key: str | None = _f(None, "bearer key required on inference endpoints")
+    admin_api_key: str | None = _f(
+        None, "bearer key required on worker management (default: --api-key)"
+    )
+    max_payload_size: int = _f(256 * 2**20, "largest request body in bytes (larger: 413)")
+    request_timeout_secs: float = _f(1800.0, "longest a worker may take over one request")
+    max_retries: int = _f(3, "attempts on other workers after a connection error or 5xx")
+    retry_backoff_ms: float = _f(10.0, "wait before the first retry; doubles for each next one")
+    retry_max_backoff_ms: float = _f(1000.0, "longest wait between retries")
+    health_check_interval_secs: float = _f(
+        _HEALTH.interval_secs, "seconds between health probes of each worker (0: no probes)"
+    )
+    health_check_timeout_secs: float = _f(_HEALTH.timeout_secs, "a probe slower than this fails")
+    health_failure_threshold: int = _f(
+        _HEALTH.failure_threshold, "failed probes in a row that take a worker out of routing"
+    )
+    health_success_threshold: int = _f(
+        _HEALTH.success_threshold, "passed probes in a row that bring it back"
+    )
+    health_check_endpoint: str = _f(_HEALTH.endpoint, "path probed on each worker")
+    cb_failure_threshold: int = _f(
+        _HEALTH.cb_failure_threshold,
+        "failed requests in a row that open a worker's circuit (0: off)",
+    )
+    cb_success_threshold: int = _f(
+        _HEALTH.cb_success_threshold, "successes that close a half-open circuit"
+    )
+    cb_timeout_duration_secs: float = _f(
+        _HEALTH.cb_timeout_secs, "seconds an open circuit waits before letting requests try"
+    )
+    log_level: str = _f("info", "logging level", choices=("debug", "info", "warning", "error"))
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; choose from {sorted(POLICIES)}")
+        if self.max_retries < 0 or self.max_payload_size <= 0 or self.request_timeout_secs <= 0:
+            raise ValueError("max_retries >= 0, max_payload_size > 0, request_timeout_secs > 0")
+        if self.health_failure_threshold < 1 or self.health_success_threshold < 1:
+            raise ValueError("health thresholds must be >= 1")
+        # argparse hands over a list; keep the frozen config hashable and immutable.
+        object.__setattr__(self, "worker_urls", tuple(self.worker_urls))
+        self.policy_config()  # validates the policy's own ranges now, not at first request
+
+    def policy_config(self) -> CachePolicyConfig:
+        return CachePolicyConfig(
+            cache_threshold=self.cache_threshold,
+            balance_abs_threshold=self.balance_abs_threshold,
+            balance_rel_threshold=self.balance_rel_threshold,
+            eviction_interval_secs=self.eviction_interval_secs,
+            max_tree_size=self.max_tree_size,
+        )
+
+    def health_config(self) -> HealthConfig:
+        return HealthConfig(
+            interval_secs=self.health_check_interval_secs,
+            timeout_secs=self.health_check_timeout_secs,
+            failure_threshold=self.health_failure_threshold,
+            success_threshold=self.health_success_threshold,
+            endpoint=self.health_check_endpoint,
+            cb_failure_threshold=self.cb_failure_threshold,
+            cb_success_threshold=self.cb_success_threshold,
+            cb_timeout_secs=self.cb_timeout_duration_secs,
+        )

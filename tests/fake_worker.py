@@ -1,0 +1,239 @@
+"""A tiny loopback worker that speaks the engine's HTTP API, for router tests and benchmarks.
+Run `python tests/fake_worker.py --port 0`; it prints `READY <port>` once it listens.
+
+It answers instantly (or after `--token-delay-ms` per streamed token) and keeps a toy prefix
+cache (chained hashes of 64-character blocks) so that it can report the hit rate a real engine
+would see. Test hooks: POST /fake/fail {"count": n, "status": 500} fails the next n generation
+requests; POST /fake/health {"ok": false} makes /health answer 503.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+
+import httptools
+
+BLOCK = 64
+SSE_HEAD = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+)
+
+
+class FakeEngine:
+    """Request handling without I/O: which answer a path and body get."""
+
+    def __init__(self, name: str, model: str) -> None:
+        self.name, self.model = name, model
+        self.blocks: set[int] = set()
+        self.prompt_chars = self.cached_chars = self.requests = self.in_flight = 0
+        self.fail_count, self.fail_status, self.healthy = 0, 500, True
+
+    def prompt_of(self, path: str, req: dict) -> str:
+        if path == "/v1/chat/completions":
+            return "".join(f"{m.get('role')}: {m.get('content')}\n" for m in req["messages"])
+        prompt = req.get("text", req.get("prompt", req.get("input_ids", "")))
+        return prompt if isinstance(prompt, str) else json.dumps(prompt)
+
+    def cache(self, prompt: str) -> int:
+        """Characters of `prompt` found cached (whole blocks); then caches all of it."""
+        h, hit, hits = 0, True, 0
+        for start in range(0, len(prompt) - BLOCK + 1, BLOCK):
+            h = hash((h, prompt[start : start + BLOCK]))
+            if hit and h in self.blocks:
+                hits += BLOCK
+            else:
+                hit = False
+                self.blocks.add(h)
+        if len(self.blocks) > 2_000_000:
+            self.blocks.clear()
+        self.prompt_chars += len(prompt)
+        self.cached_chars += hits
+        return hits
+
+    def info(self) -> dict:
+        rate = self.cached_chars / self.prompt_chars if self.prompt_chars else 0.0
+        return {
+            "worker": self.name,
+            "model_path": self.model,
+            "requests": self.requests,
+            "cache_hit_rate": rate,
+            "prompt_chars": self.prompt_chars,
+            "cached_chars": self.cached_chars,
+        }
+
+    def tokens(self, req: dict) -> list[str]:
+        params = req.get("sampling_params") or req
+        n = int(params.get("max_new_tokens") or params.get("max_tokens") or 4)
+        return [f" t{i}" for i in range(n)]
+
+    def final(self, path: str, req: dict, text: str, prompt: str, cached: int) -> dict:
+        meta = {"worker": self.name, "prompt_chars": len(prompt), "cached_chars": cached}
+        if path == "/generate":
+            return {"text": text, "meta_info": meta}
+        obj = "chat.completion" if "chat" in path else "text_completion"
+        choice = {"index": 0, "finish_reason": "length"}
+        if "chat" in path:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return {"id": "fake", "object": obj, "model": self.model, "choices": [choice], **meta}
+
+    def chunk(self, path: str, piece: str, so_far: str) -> dict:
+        if path == "/generate":
+            return {"text": so_far, "meta_info": {"worker": self.name}}
+        if "chat" in path:
+            return {"object": "chat.completion.chunk", "choices": [{"delta": {"content": piece}}]}
+        return {"object": "text_completion", "choices": [{"text": piece}], "worker": self.name}
+
+
+class WorkerConn(asyncio.Protocol):
+    """One client connection: parse with httptools, answer requests in order."""
+
+    def __init__(self, engine: FakeEngine, token_delay: float) -> None:
+        self.engine, self.token_delay = engine, token_delay
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.url, self.body = b"", []
+        self.queue: asyncio.Queue | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            self.reply(400, {"error": "bad request"})
+            self.transport.close()  # type: ignore[union-attr]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        path, body = self.url.decode().split("?")[0], b"".join(self.body)
+        self.url, self.body = b"", []
+        method = self.parser.get_method().decode()
+        if path in ("/generate", "/v1/completions", "/v1/chat/completions"):
+            self.generate(path, body)
+        else:
+            self.reply(*self.simple(method, path, body))
+
+    def simple(self, method: str, path: str, body: bytes) -> tuple[int, dict]:
+        eng = self.engine
+        if path in ("/health", "/health_generate"):
+            return (200, {}) if eng.healthy else (503, {"error": "unhealthy"})
+        if path == "/v1/models":
+            return 200, {"object": "list", "data": [{"id": eng.model, "object": "model"}]}
+        if path in ("/get_load", "/get_server_info"):
+            return 200, {**eng.info(), "num_reqs": eng.in_flight}
+        if path == "/flush_cache":
+            eng.blocks.clear()
+            return 200, {"message": "Cache flushed"}
+        if path == "/fake/fail":
+            req = json.loads(body)
+            eng.fail_count, eng.fail_status = req.get("count", 1), req.get("status", 500)
+            return 200, {}
+        if path == "/fake/health":
+            eng.healthy = json.loads(body).get("ok", True)
+            return 200, {}
+        return 404, {"error": f"no route {method} {path}"}
+
+    def generate(self, path: str, body: bytes) -> None:
+        eng = self.engine
+        eng.requests += 1
+        if eng.fail_count > 0:
+            eng.fail_count -= 1
+            return self.reply(eng.fail_status, {"error": {"message": "injected failure"}})
+        try:
+            req = json.loads(body)
+            prompt = eng.prompt_of(path, req)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return self.reply(400, {"error": {"message": "bad request body"}})
+        cached = eng.cache(prompt)
+        if req.get("stream"):
+            asyncio.get_running_loop().create_task(self.stream(path, req, prompt, cached))
+        else:
+            text = "".join(eng.tokens(req))
+            self.reply(200, eng.final(path, req, text, prompt, cached))
+
+    async def stream(self, path: str, req: dict, prompt: str, cached: int) -> None:
+        eng = self.engine
+        eng.in_flight += 1
+        self.transport.pause_reading()  # type: ignore[union-attr]
+        self.write(SSE_HEAD)
+        so_far = ""
+        try:
+            for piece in eng.tokens(req):
+                so_far += piece
+                if self.token_delay:
+                    await asyncio.sleep(self.token_delay)
+                self.write_chunk(b"data: " + json.dumps(eng.chunk(path, piece, so_far)).encode())
+            self.write_chunk(b"data: [DONE]")
+            self.write(b"0\r\n\r\n")
+        finally:
+            eng.in_flight -= 1
+            if self.transport is not None:
+                self.transport.resume_reading()
+
+    def write_chunk(self, event: bytes) -> None:
+        event += b"\n\n"
+        self.write(b"%x\r\n%s\r\n" % (len(event), event))
+
+    def write(self, data: bytes) -> None:
+        if self.transport is not None:
+            self.transport.write(data)
+
+    def reply(self, status: int, obj: dict) -> None:
+        data = json.dumps(obj).encode()
+        head = b"HTTP/1.1 %d X\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+        self.write(head % (status, len(data)) + data)
+
+
+async def start(
+    port: int = 0, name: str = "fake", model: str = "fake-model", token_delay_ms: float = 0.0
+) -> tuple[asyncio.AbstractServer, FakeEngine, int]:
+    """Listen on 127.0.0.1:`port` (0: any free port) in the running loop."""
+    engine = FakeEngine(name, model)
+    server = await asyncio.get_running_loop().create_server(
+        lambda: WorkerConn(engine, token_delay_ms / 1000), "127.0.0.1", port, backlog=1024
+    )
+    return server, engine, server.sockets[0].getsockname()[1]
+
+
+async def serve(port: int, name: str, model: str, token_delay_ms: float) -> None:
+    server, _, bound = await start(port, name, model, token_delay_ms)
+    print(f"READY {bound}", flush=True)
+    async with server:
+        await server.serve_forever()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--name", default=f"fake-{time.monotonic_ns() % 100000}")
+    ap.add_argument("--model", default="fake-model")
+    ap.add_argument("--token-delay-ms", type=float, default=0.0)
+    args = ap.parse_args()
+    coro = serve(args.port, args.name, args.model, args.token_delay_ms)
+    try:
+        import uvloop
+    except ImportError:
+        uvloop = None
+    try:
+        uvloop.run(coro) if uvloop else asyncio.run(coro)
+    except KeyboardInterrupt:
+        sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
