@@ -1,0 +1,142 @@
+"""Cost of one scheduling pass (``Scheduler.step()``) over 128, 1,000 and 10,000 waiting requests.
+
+Prompts are 2,000 tokens: a third extend a cached 1,000-token group prefix, a third a cached
+1,500-token one (10 groups each), a third are cold; default budgets. The pass (index refresh,
+policy order, admission) is reported apart from the whole step, which adds KV allocation and
+batch building (per admitted token, not per waiting request). Between passes (untimed) the
+batch's output is applied, the admitted requests are aborted and as many fresh ones queued, so
+the queue length stays put. The baseline, measured on the same queue in the same run, is
+SGLang's approach: re-match every waiting request and sort.
+
+    python benchmarks/schedule_bench.py [--sizes 128 1000 10000] [--passes 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import time
+
+from _machine import machine_line
+from radixserve.config import CacheConfig, SchedulerConfig
+from radixserve.sched.batch import Batch, StepResult
+from radixserve.sched.request import Req, SamplingParams
+from radixserve.sched.scheduler import Scheduler
+
+PROMPT, GROUPS = 2000, 10
+POOL = 1_000_000  # distinct token ids; prompts are slices of it, so they share int objects
+
+
+class Workload:
+    """Makes requests: a third per kind (1,000-token group prefix, 1,500, cold)."""
+
+    def __init__(self) -> None:
+        self.tokens = list(range(POOL))
+        self.prefixes = {
+            n: [self.tokens[POOL - (g + 1) * 2 * PROMPT :][:n] for g in range(GROUPS)]
+            for n in (1000, 1500)
+        }
+        self.counter = itertools.count()
+
+    def _unique(self, i: int, n: int) -> list[int]:
+        start = (i * 97) % (POOL - 20 * GROUPS * PROMPT)  # distinct first token per request
+        return self.tokens[start : start + n]
+
+    def request(self) -> Req:
+        i = next(self.counter)
+        kind = i % 3
+        if kind == 2:
+            ids = self._unique(i, PROMPT)
+        else:
+            prefix = self.prefixes[1000 if kind == 0 else 1500][i // 3 % GROUPS]
+            ids = prefix + self._unique(i, PROMPT - len(prefix))
+        return Req(f"r{i}", ids, SamplingParams(max_new_tokens=16))
+
+
+def fake_result(batch: Batch) -> StepResult:
+    return StepResult([1 if e.sample else None for e in batch.entries])
+
+
+def build(policy: str, n: int, work: Workload) -> Scheduler:
+    cfg = SchedulerConfig(schedule_policy=policy)
+    sched = Scheduler(cfg, CacheConfig(max_total_tokens=400_000), clock=lambda: 0.0)
+    for prefix in work.prefixes[1000] + work.prefixes[1500]:  # warm the group prefixes
+        sched.add_request(Req(f"warm{len(prefix)}-{prefix[0]}", prefix + [0], SamplingParams(1)))
+    while (batch := sched.step()) is not None:
+        sched.on_output(batch, fake_result(batch))
+    for _ in range(n):
+        sched.add_request(work.request())
+    return sched
+
+
+def timed_passes(
+    sched: Scheduler, work: Workload, passes: int
+) -> tuple[float, float, float, float]:
+    """Median ms of the queue work of one step() (everything but KV allocation and batch
+    building, which cost per admitted token, not per waiting request), median ms of the whole
+    step(), and per pass the requests admitted and re-matched by the prefix index."""
+    start, spent = sched._start, [0.0]
+
+    def timed_start(*args):  # type: ignore[no-untyped-def]
+        t0 = time.perf_counter()
+        out = start(*args)
+        spent[0] += time.perf_counter() - t0
+        return out
+
+    sched._start = timed_start  # type: ignore[method-assign]
+    passes_ms, steps_ms, admitted = [], [], 0
+    refreshed = sched.index.refreshed
+    for _ in range(passes):
+        spent[0] = 0.0
+        t0 = time.perf_counter()
+        batch = sched.step()
+        steps_ms.append((time.perf_counter() - t0) * 1e3)
+        passes_ms.append(steps_ms[-1] - spent[0] * 1e3)
+        assert batch is not None
+        sched.on_output(batch, fake_result(batch))
+        for e in batch.entries:
+            sched.abort(e.rid)
+            sched.add_request(work.request())
+        admitted += len(batch.entries)
+    rematched = (sched.index.refreshed - refreshed) / passes
+    return statistics.median(passes_ms), statistics.median(steps_ms), admitted / passes, rematched
+
+
+def naive_pass(sched: Scheduler) -> float:
+    """ms to re-match every waiting request and sort by match length (SGLang's LPM pass)."""
+    waiting = [r for r in sched._reqs.values() if r.state.value == "waiting"]
+    t0 = time.perf_counter()
+    lens = {r.rid: sched.cache.match_prefix(r.fill_ids(), r.namespace).length for r in waiting}
+    waiting.sort(key=lambda r: -lens[r.rid])
+    return (time.perf_counter() - t0) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[128, 1000, 10000])
+    ap.add_argument("--passes", type=int, default=30)
+    ap.add_argument("--policies", nargs="+", default=["lpm", "dfs-weight"])
+    args = ap.parse_args()
+    print(machine_line())
+    print(f"workload: {PROMPT}-token prompts; 1/3 hit a cached 1,000-token prefix, 1/3 a cached")
+    print(f"1,500-token prefix ({GROUPS} groups each), 1/3 cold; default SchedulerConfig budgets")
+    head = f"{'policy':<11}{'waiting':>8}{'pass ms':>9}{'us/req':>8}{'step ms':>9}{'admit':>6}{'rematch':>8}"
+    print(head + f"{'naive ms':>10}{'us/req':>8}{'naive/pass':>11}")
+    work = Workload()
+    for policy in args.policies:
+        for n in args.sizes:
+            sched = build(policy, n, work)
+            ms, step_ms, adm, rem = timed_passes(sched, work, args.passes)
+            naive = statistics.median(naive_pass(sched) for _ in range(3))
+            sched.check_integrity()
+            print(
+                f"{policy:<11}{n:>8}{ms:>9.3f}{ms * 1e3 / n:>8.3f}{step_ms:>9.2f}{adm:>6.1f}{rem:>8.1f}"
+                f"{naive:>10.1f}{naive * 1e3 / n:>8.2f}{naive / ms:>10.0f}x"
+            )
+    print("pass: index refresh + policy order + admission (what SGLang's LPM pass does);")
+    print("step: the whole step(), adding KV allocation and batch building for what it admits")
+
+
+if __name__ == "__main__":
+    main()
