@@ -1,0 +1,160 @@
+"""``Engine``: the in-process Python API for offline use, over the same processes as the server.
+
+engine = Engine(model="path/or/file.gguf")      # no model: the built-in SmolLM2-135M
+outs = engine.generate(["Hello"], {"max_new_tokens": 16, "temperature": 0})
+engine.shutdown()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
+
+from radixserve.engine.launch import EngineConfig, EngineProcesses, launch
+from radixserve.engine.messages import TextOut
+from radixserve.engine.tokenizer_manager import GenerateInput, TokenizerManager
+from radixserve.sched.request import SamplingParams
+
+SamplingArg = Mapping[str, Any] | SamplingParams | None
+
+
+def sampling_from(arg: SamplingArg) -> SamplingParams:
+    """SamplingParams from a dict with SGLang's names (``stop`` may be a string)."""
+    if isinstance(arg, SamplingParams):
+        return arg
+    kw = dict(arg or {})
+    for name in ("stop", "stop_token_ids"):
+        value = kw.get(name)
+        if value is not None:
+            kw[name] = (value,) if isinstance(value, (str, int)) else tuple(value)
+    return SamplingParams(**kw)
+
+
+class Engine:
+    """Starts the scheduler and detokenizer processes; a private event loop thread runs the
+    tokenizer manager so that plain synchronous code can call ``generate``."""
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        if model is not None:
+            kwargs["model"] = model
+        self.config = EngineConfig.from_kwargs(**kwargs)
+        self.procs: EngineProcesses = launch(self.config)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self.tm = TokenizerManager(
+            self.procs.tokenizer, self.procs.endpoints.sched, self.procs.endpoints.tm,
+            self.procs.why_dead,
+        )  # fmt: skip
+        self._call(self.tm.start())
+
+    def _call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.procs.tokenizer
+
+    def generate(
+        self,
+        prompt: str | Sequence[str] | None = None,
+        sampling_params: SamplingArg | Sequence[SamplingArg] = None,
+        input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+    ) -> dict[str, Any] | list[dict[str, Any]]:
+        """Generate for one prompt (returns a dict) or a list of them (a list of dicts)."""
+        inputs, single = _inputs(prompt, input_ids, sampling_params)
+        results = self._call(self._collect_all(inputs))
+        return results[0] if single else results
+
+    async def _collect_all(self, inputs: list[GenerateInput]) -> list[dict[str, Any]]:
+        return list(await asyncio.gather(*(self._collect(i) for i in inputs)))
+
+    async def _collect(self, inp: GenerateInput) -> dict[str, Any]:
+        text, ids, last = [], [], None
+        async for out in self.tm.generate(inp):
+            text.append(out.text)
+            ids.extend(out.token_ids)
+            last = out
+        assert last is not None
+        return _result("".join(text), ids, last)
+
+    async def async_generate(
+        self, prompt: str | None = None, sampling_params: SamplingArg = None,
+        input_ids: Sequence[int] | None = None,
+    ) -> AsyncIterator[dict[str, Any]]:  # fmt: skip
+        """Stream one request from any event loop: yields ``{"text": delta, ...}`` chunks."""
+        inp = GenerateInput(text=prompt, input_ids=list(input_ids) if input_ids else None,
+                            sampling=sampling_from(sampling_params))  # fmt: skip
+        queue: asyncio.Queue = asyncio.Queue()
+        caller = asyncio.get_running_loop()
+
+        async def pump() -> None:
+            try:
+                async for out in self.tm.generate(inp):
+                    caller.call_soon_threadsafe(queue.put_nowait, out)
+            except Exception as e:
+                caller.call_soon_threadsafe(queue.put_nowait, e)
+
+        task = asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                yield _result(item.text, item.token_ids, item)
+                if item.finished:
+                    return
+        finally:
+            task.cancel()  # a consumer that stops early aborts the request
+
+    def flush_cache(self) -> bool:
+        return bool(self._call(self.tm.control("flush_cache")))
+
+    def stats(self) -> dict[str, Any]:
+        return self._call(self.tm.control("stats"))
+
+    def shutdown(self) -> None:
+        if self._loop.is_running():
+            self._call(self.tm.close())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(5)
+        self.procs.shutdown()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _inputs(prompt: Any, input_ids: Any, sampling: Any) -> tuple[list[GenerateInput], bool]:
+    single = isinstance(prompt, str) or (
+        input_ids is not None and len(input_ids) > 0 and isinstance(input_ids[0], int)
+    )
+    if prompt is not None:
+        items = [dict(text=p) for p in ([prompt] if single else prompt)]
+    elif input_ids is not None:
+        items = [dict(input_ids=list(i)) for i in ([input_ids] if single else input_ids)]
+    else:
+        raise ValueError("give a prompt or input_ids")
+    samplings = sampling if isinstance(sampling, (list, tuple)) else [sampling] * len(items)
+    if len(samplings) != len(items):
+        raise ValueError("sampling_params must be one dict or one per prompt")
+    return [GenerateInput(**i, sampling=sampling_from(s)) for i, s in zip(items, samplings)], single
+
+
+def _result(text: str, ids: list[int], out: TextOut) -> dict[str, Any]:
+    return {
+        "text": text,
+        "output_ids": ids,
+        "meta_info": {
+            "id": out.rid,
+            "finish_reason": out.finish_reason,
+            "prompt_tokens": out.prompt_tokens,
+            "completion_tokens": out.completion_tokens,
+            "cached_tokens": out.cached_tokens,
+            "matched_stop": out.matched_stop,
+        },
+    }

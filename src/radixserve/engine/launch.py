@@ -1,0 +1,146 @@
+"""Starting an engine: its config, its two child processes (scheduler + runner, detokenizer),
+and the readiness handshake. The HTTP server and the in-process ``Engine`` both use this."""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from radixserve.engine.procutil import Endpoints
+from radixserve.engine.tokenizer_spec import TokenizerSpec
+
+START_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    sched: SchedulerConfig = field(default_factory=SchedulerConfig)
+    sim: str | None = None  # a cost-model preset: simulated runner, real time
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build from flat keyword arguments named like the fields of the three configs."""
+        parts: dict[str, Any] = {}
+        for name, part_cls in (("model", ModelConfig), ("cache", CacheConfig),
+                               ("sched", SchedulerConfig)):  # fmt: skip
+            names = {f.name for f in dataclasses.fields(part_cls)}
+            parts[name] = part_cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
+        sim = kwargs.pop("sim", None)
+        if kwargs:
+            raise TypeError(f"unknown engine options: {', '.join(sorted(kwargs))}")
+        return cls(sim=sim, **parts)
+
+    def tokenizer_spec(self) -> TokenizerSpec:
+        if self.sim is not None:
+            return TokenizerSpec("sim", context_length=self.model.context_length)
+        from radixserve.model.loader import resolve_model_dir
+
+        return TokenizerSpec("hf", str(resolve_model_dir(self.model)), self.model.context_length)
+
+    def build_worker(self) -> tuple[Any, Any, dict[str, Any]]:
+        """Runner, Scheduler and model facts (called inside the scheduler process)."""
+        from radixserve.sched.scheduler import Scheduler
+
+        runner, cache, info = self._sim_runner() if self.sim else self._torch_runner()
+        scheduler = Scheduler(
+            self.sched, cache, eos_token_ids=info["eos_token_ids"],
+            context_length=info["context_length"],
+        )  # fmt: skip
+        return runner, scheduler, {**info, "max_total_tokens": cache.max_total_tokens}
+
+    def _sim_runner(self) -> tuple[Any, CacheConfig, dict[str, Any]]:
+        from radixserve.sim.costmodel import get_cost_model
+        from radixserve.sim.runner import SimRunner
+
+        tok = self.tokenizer_spec().load()
+        cost = get_cost_model(self.sim)  # type: ignore[arg-type]
+        cache = self.cache
+        if cache.max_total_tokens == CacheConfig().max_total_tokens:  # not set: the GPU's
+            cache = dataclasses.replace(cache, max_total_tokens=cost.kv_capacity_tokens)
+        runner = SimRunner(cost, vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_ids[0])
+        info = {"model": f"sim-{self.sim}", "context_length": tok.context_length,
+                "eos_token_ids": tok.eos_token_ids, "vocab_size": tok.vocab_size}  # fmt: skip
+        return runner, cache, info
+
+    def _torch_runner(self) -> tuple[Any, CacheConfig, dict[str, Any]]:
+        from radixserve.model.runner import TorchRunner
+
+        runner = TorchRunner(self.model, self.cache.max_total_tokens)
+        info = {"model": runner.info.name, "context_length": runner.info.context_length,
+                "eos_token_ids": runner.info.eos_token_ids,
+                "vocab_size": runner.info.vocab_size}  # fmt: skip
+        return runner, self.cache, info
+
+
+class EngineStartError(RuntimeError):
+    pass
+
+
+@dataclass
+class EngineProcesses:
+    """The running child processes of one engine, and how to reach them."""
+
+    config: EngineConfig
+    endpoints: Endpoints
+    procs: list[mp.process.BaseProcess]
+    tokenizer: Any
+    info: dict[str, Any]
+
+    def why_dead(self) -> str | None:
+        for p in self.procs:
+            if not p.is_alive():
+                return f"{p.name} exited with code {p.exitcode}"
+        return None
+
+    def shutdown(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+        for p in self.procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        self.endpoints.cleanup()
+
+
+def launch(config: EngineConfig) -> EngineProcesses:
+    """Start the scheduler and detokenizer processes and wait until the model is loaded."""
+    from radixserve.engine.detokenizer import run_detokenizer
+    from radixserve.engine.scheduler_proc import run_scheduler
+
+    ctx = mp.get_context("spawn")
+    endpoints, spec = Endpoints.new(), config.tokenizer_spec()
+    parent, child = ctx.Pipe(duplex=False)
+    procs = [
+        ctx.Process(target=run_scheduler, args=(config, endpoints, child, os.getpid()),
+                    name="radixserve-scheduler", daemon=True),
+        ctx.Process(target=run_detokenizer, args=(spec, endpoints, os.getpid()),
+                    name="radixserve-detokenizer", daemon=True),
+    ]  # fmt: skip
+    for p in procs:
+        p.start()
+    engine = EngineProcesses(config, endpoints, procs, spec.load(), {})
+    status, payload = _wait_ready(engine, parent)
+    if status != "ready":
+        engine.shutdown()
+        raise EngineStartError(f"the scheduler process failed to start: {payload}")
+    engine.info = payload
+    return engine
+
+
+def _wait_ready(engine: EngineProcesses, conn: Any) -> tuple[str, Any]:
+    waited = 0.0
+    while not conn.poll(0.5):
+        waited += 0.5
+        dead = engine.why_dead()
+        if dead or waited > START_TIMEOUT_S:
+            engine.shutdown()
+            raise EngineStartError(f"the scheduler process did not start: {dead or 'timeout'}")
+    return conn.recv()

@@ -1,0 +1,102 @@
+"""Typed messages between the engine's processes (pickled over ZeroMQ).
+
+tokenizer manager -> scheduler: GenerateReq, AbortReq, ControlReq
+detokenizer -> scheduler:       StopReq (a stop string was seen)
+scheduler -> detokenizer:       OpenStream, TokenBatch, ErrorOut, ControlOut (the last two
+                                pass through)
+detokenizer -> tokenizer mgr:   TextBatch, ErrorOut, ControlOut
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixserve.sched.request import SamplingParams
+
+
+@dataclass(slots=True)
+class GenerateReq:
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    priority: int = 0
+    routing_key: str | None = None
+    namespace: str | None = None
+
+
+@dataclass(slots=True)
+class AbortReq:
+    rid: str
+
+
+@dataclass(slots=True)
+class StopReq:
+    rid: str
+
+
+@dataclass(slots=True)
+class ControlReq:
+    """A request to the scheduler process that gets one ControlOut back (flush_cache, stats)."""
+
+    req_id: str
+    op: str
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class ControlOut:
+    req_id: str
+    result: Any
+
+
+@dataclass(slots=True)
+class ErrorOut:
+    """The request could not run; ``code`` is the HTTP status the client should see."""
+
+    rid: str
+    message: str
+    code: int = 400
+
+
+@dataclass(slots=True)
+class OpenStream:
+    """Sent to the detokenizer before a request's first tokens: the stop strings to watch."""
+
+    rid: str
+    stop: tuple[str, ...]
+
+
+@dataclass(slots=True)
+class TokenOut:
+    rid: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    matched_stop: int | str | None = None
+
+
+@dataclass(slots=True)
+class TokenBatch:
+    outputs: list[TokenOut]
+
+
+@dataclass(slots=True)
+class TextOut:
+    rid: str
+    text: str  # the new text since the last TextOut of this request
+    token_ids: list[int]  # the new token ids
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    matched_stop: int | str | None = None
+
+
+@dataclass(slots=True)
+class TextBatch:
+    outputs: list[TextOut]

@@ -1,0 +1,41 @@
+"""Process plumbing shared by the engine's child processes: ZeroMQ endpoints and exiting when
+the parent dies, so a killed server never leaves orphans behind."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoints:
+    sched: str  # the scheduler process pulls here (from the API process and the detokenizer)
+    detok: str  # the detokenizer pulls here (from the scheduler process)
+    tm: str  # the API process pulls here (from the detokenizer)
+
+    @classmethod
+    def new(cls) -> Endpoints:
+        base = os.path.join(tempfile.gettempdir(), f"radixserve-{uuid.uuid4().hex[:12]}")
+        return cls(f"ipc://{base}-sched", f"ipc://{base}-detok", f"ipc://{base}-tm")
+
+    def cleanup(self) -> None:
+        for ep in (self.sched, self.detok, self.tm):
+            try:
+                os.unlink(ep.removeprefix("ipc://"))
+            except OSError:
+                pass
+
+
+def exit_with_parent(parent_pid: int, interval: float = 0.5) -> None:
+    """Start a daemon thread that ends this process once ``parent_pid`` is gone."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(interval)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()

@@ -1,0 +1,134 @@
+"""The scheduler process: owns one Scheduler and one Runner and loops step -> run -> on_output,
+taking requests from the API process and sending tokens to the detokenizer over ZeroMQ.
+
+An idle process blocks in a poll, so an idle (simulated or real) worker uses no CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from radixserve.engine.messages import (
+    AbortReq,
+    ControlOut,
+    ControlReq,
+    ErrorOut,
+    GenerateReq,
+    OpenStream,
+    StopReq,
+    TokenBatch,
+    TokenOut,
+)
+from radixserve.engine.procutil import Endpoints, exit_with_parent
+from radixserve.sched.request import FinishReason, Req, TokenOutput
+from radixserve.sched.scheduler import Scheduler
+
+
+@dataclass(slots=True)
+class Worker:
+    """The scheduler, its runner, and the sockets; ``realtime`` sleeps out simulated steps."""
+
+    scheduler: Scheduler
+    runner: Any
+    pull: zmq.Socket
+    push: zmq.Socket
+    realtime: bool
+    # rid -> (prompt tokens, stop token ids, tokens generated so far) of every live request
+    live: dict[str, list[Any]] = field(default_factory=dict)
+
+    def handle(self, msg: Any) -> None:
+        if isinstance(msg, GenerateReq):
+            self._add(msg)
+        elif isinstance(msg, AbortReq):
+            self.scheduler.abort(msg.rid)
+            self.live.pop(msg.rid, None)
+        elif isinstance(msg, StopReq):
+            self.scheduler.finish(msg.rid, FinishReason.STOP)
+            self.live.pop(msg.rid, None)
+        elif isinstance(msg, ControlReq):
+            self.push.send_pyobj(ControlOut(msg.req_id, self._control(msg)))
+
+    def _add(self, msg: GenerateReq) -> None:
+        req = Req(
+            msg.rid, msg.input_ids, msg.sampling, msg.priority, msg.routing_key, msg.namespace
+        )
+        try:
+            self.scheduler.add_request(req)
+        except ValueError as e:
+            self.push.send_pyobj(ErrorOut(msg.rid, str(e), 400))
+            return
+        self.live[msg.rid] = [len(msg.input_ids), msg.sampling.stop_token_ids, 0]
+        self.push.send_pyobj(OpenStream(msg.rid, msg.sampling.stop))
+
+    def _control(self, msg: ControlReq) -> Any:
+        if msg.op == "flush_cache":
+            return self.scheduler.flush_cache()
+        if msg.op == "stats":
+            return self.scheduler.stats()
+        return {"error": f"unknown control op {msg.op!r}"}
+
+    def drain(self, block_ms: int | None) -> None:
+        """Handle every message waiting; block up to ``block_ms`` for the first one."""
+        if block_ms and not self.pull.poll(block_ms):
+            return
+        while True:
+            try:
+                msg = self.pull.recv_pyobj(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.handle(msg)
+
+    def step(self) -> bool:
+        """One scheduling step; False when there was nothing to run."""
+        batch = self.scheduler.step()
+        if batch is None:
+            return False
+        result = self.runner.run(batch)
+        if self.realtime and result.duration:
+            time.sleep(result.duration)
+        outs = self.scheduler.on_output(batch, result)
+        sent = [t for t in map(self._token_out, outs) if t is not None]
+        if sent:
+            self.push.send_pyobj(TokenBatch(sent))
+        return True
+
+    def _token_out(self, o: TokenOutput) -> TokenOut | None:
+        live = self.live.get(o.rid)
+        if live is None:  # stopped or aborted meanwhile
+            return None
+        live[2] += 1
+        reason = o.finish_reason.value if o.finish_reason is not None else None
+        matched = o.token_id if o.finished and o.token_id in live[1] else None
+        if o.finished:
+            del self.live[o.rid]
+        return TokenOut(o.rid, [o.token_id], o.finished, reason, live[0], o.cached_tokens,
+                        live[2], matched)  # fmt: skip
+
+    def loop(self) -> None:
+        busy = False
+        while True:
+            self.drain(None if busy else 1000)
+            busy = self.step()
+
+
+def run_scheduler(engine_config: Any, endpoints: Endpoints, ready: Any, parent_pid: int) -> None:
+    """Process entry: build the runner and scheduler, report ready (or the error), then loop."""
+    exit_with_parent(parent_pid)
+    try:
+        runner, scheduler, info = engine_config.build_worker()
+        ctx = zmq.Context()
+        pull = ctx.socket(zmq.PULL)
+        pull.bind(endpoints.sched)
+        push = ctx.socket(zmq.PUSH)
+        push.connect(endpoints.detok)
+    except Exception as e:  # the parent shows this to the user and exits
+        ready.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        return
+    ready.send(("ready", {"pid": os.getpid(), **info}))
+    Worker(scheduler, runner, pull, push, engine_config.sim is not None).loop()

@@ -1,0 +1,203 @@
+"""The API process's side of the engine: tokenize, send to the scheduler process, and hand each
+request's text deltas back to its caller as they arrive; abort on cancel; fail fast if a child
+process dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from radixserve.engine.messages import (
+    AbortReq,
+    ControlOut,
+    ControlReq,
+    ErrorOut,
+    GenerateReq,
+    TextBatch,
+    TextOut,
+)
+from radixserve.sched.request import SamplingParams
+
+
+class RequestError(Exception):
+    """A request the engine refused or could not finish; ``code`` is the HTTP status."""
+
+    def __init__(self, message: str, code: int = 400, err_type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.code, self.err_type = message, code, err_type
+
+
+class EngineDeadError(RequestError):
+    def __init__(self, message: str) -> None:
+        super().__init__(message, 503, "engine_unavailable")
+
+
+@dataclass(slots=True)
+class GenerateInput:
+    """What a caller asks for: a prompt as text, token ids or chat messages."""
+
+    text: str | None = None
+    input_ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    rid: str | None = None
+    priority: int = 0
+    routing_key: str | None = None
+    namespace: str | None = None
+
+
+@dataclass(slots=True)
+class _Pending:
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+
+class TokenizerManager:
+    """Runs in the caller's event loop; one instance per engine."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        sched_endpoint: str,
+        tm_endpoint: str,
+        alive: Callable[[], str | None],
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.context_length: int = tokenizer.context_length
+        self._sched_endpoint, self._tm_endpoint = sched_endpoint, tm_endpoint
+        self._alive = alive  # returns None while every child process lives, else why not
+        self._pending: dict[str, _Pending] = {}
+        self._controls: dict[str, asyncio.Future] = {}
+        self._ids = itertools.count()
+        self._prefix = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.dead: str | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self._push = self._ctx.socket(zmq.PUSH)
+        self._push.connect(self._sched_endpoint)
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.bind(self._tm_endpoint)
+        self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._watch())]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._push.close(linger=0)
+        self._pull.close(linger=0)
+        self._ctx.term()
+
+    # -- requests ------------------------------------------------------------------------------
+    def tokenize(self, inp: GenerateInput) -> list[int]:
+        if inp.input_ids is not None:
+            ids = list(inp.input_ids)
+            vocab = getattr(self.tokenizer, "vocab_size", None)
+            if vocab and any(not 0 <= t < vocab for t in ids):
+                raise RequestError(f"input_ids must be token ids in [0, {vocab})")
+        elif inp.messages is not None:
+            text = self.tokenizer.apply_chat_template(inp.messages, add_generation_prompt=True)
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        elif inp.text is not None:
+            ids = self.tokenizer.encode(inp.text)
+        else:
+            raise RequestError("the request has no prompt (text, input_ids or messages)")
+        if not ids:
+            raise RequestError("the prompt is empty")
+        return ids
+
+    def check_length(self, ids: Sequence[int], sampling: SamplingParams) -> None:
+        if len(ids) >= self.context_length:
+            raise RequestError(
+                f"the prompt has {len(ids)} tokens; this model's context length is "
+                f"{self.context_length}",
+                code=400,
+                err_type="context_length_exceeded",
+            )
+
+    async def generate(self, inp: GenerateInput) -> AsyncIterator[TextOut]:
+        """Yield the request's TextOuts until the finished one. Cancelling the iteration (a
+        client that went away) aborts the request in the scheduler and frees its KV."""
+        if self.dead:
+            raise EngineDeadError(self.dead)
+        ids = self.tokenize(inp)
+        self.check_length(ids, inp.sampling)
+        rid = inp.rid or f"{self._prefix}-{next(self._ids)}"
+        if rid in self._pending:
+            raise RequestError(f"request id {rid!r} is already in use")
+        pending = self._pending[rid] = _Pending()
+        req = GenerateReq(rid, ids, inp.sampling, inp.priority, inp.routing_key, inp.namespace)
+        finished = False
+        try:
+            await self._push.send_pyobj(req)
+            while not finished:
+                msg = await pending.queue.get()
+                if isinstance(msg, ErrorOut):
+                    if msg.code == 503:
+                        raise EngineDeadError(msg.message)
+                    raise RequestError(msg.message, msg.code)
+                finished = msg.finished
+                yield msg
+        finally:
+            self._pending.pop(rid, None)
+            if not finished and not self.dead:
+                await self._push.send_pyobj(AbortReq(rid))
+
+    async def control(self, op: str, timeout: float = 30.0, **args: Any) -> Any:
+        """Ask the scheduler process something (``flush_cache``, ``stats``)."""
+        if self.dead:
+            raise EngineDeadError(self.dead)
+        req_id = f"ctl-{next(self._ids)}"
+        fut = self._controls[req_id] = asyncio.get_running_loop().create_future()
+        try:
+            await self._push.send_pyobj(ControlReq(req_id, op, args))
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._controls.pop(req_id, None)
+
+    # -- background ---------------------------------------------------------------------------
+    async def _recv_loop(self) -> None:
+        while True:
+            msg = await self._pull.recv_pyobj()
+            if isinstance(msg, TextBatch):
+                for out in msg.outputs:
+                    self._deliver(out.rid, out)
+            elif isinstance(msg, ErrorOut):
+                self._deliver(msg.rid, msg)
+            elif isinstance(msg, ControlOut):
+                fut = self._controls.get(msg.req_id)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg.result)
+
+    def _deliver(self, rid: str, msg: TextOut | ErrorOut) -> None:
+        pending = self._pending.get(rid)
+        if pending is not None:
+            pending.queue.put_nowait(msg)
+
+    async def _watch(self) -> None:
+        """A dead child process fails every waiting request at once, never a hang."""
+        while self.dead is None:
+            await asyncio.sleep(0.5)
+            self.dead = self._alive()
+        for rid in list(self._pending):
+            self._deliver(rid, ErrorOut(rid, f"engine process died: {self.dead}", 503))
+        for fut in self._controls.values():
+            if not fut.done():
+                fut.set_exception(EngineDeadError(f"engine process died: {self.dead}"))
+
+
+def usage_of(out: TextOut) -> Mapping[str, int]:
+    return {
+        "prompt_tokens": out.prompt_tokens,
+        "completion_tokens": out.completion_tokens,
+        "cached_tokens": out.cached_tokens,
+    }

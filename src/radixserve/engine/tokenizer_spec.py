@@ -1,0 +1,25 @@
+"""How a child process rebuilds the tokenizer: a small picklable description instead of the
+tokenizer object itself (an HF model directory, or the simulated word tokenizer)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizerSpec:
+    kind: str  # "hf" or "sim"
+    model_dir: str | None = None
+    context_length: int | None = None
+    vocab_size: int = 32000
+
+    def load(self) -> Any:
+        if self.kind == "sim":
+            from radixserve.sim.tokenizer import SimTokenizer
+
+            return SimTokenizer(self.vocab_size, self.context_length or 131072)
+        from radixserve.model.tokenizer import load_model_info
+
+        assert self.model_dir is not None
+        return load_model_info(self.model_dir, self.context_length)

@@ -1,0 +1,46 @@
+"""A tokenizer for simulated engines: one whitespace-separated word per token id.
+
+Words written by ``workloads.render_text`` map back to their ids; any other word maps to a
+stable hash, so HTTP clients can send ordinary text to a ``serve --sim`` worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import xxhash
+
+from radixserve.sim.workloads import parse_text, render_text
+
+
+class SimTokenizer:
+    """The ModelInfo interface (encode, decode, chat template, special ids) without a model."""
+
+    def __init__(self, vocab_size: int = 32000, context_length: int = 131072) -> None:
+        self.vocab_size = vocab_size
+        self.context_length = context_length
+        self.eos_token_ids: tuple[int, ...] = (vocab_size - 1,)
+        self.bos_token_id: int | None = None
+        self.chat_template = "sim"
+        self.name = "sim"
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [self._word_id(w) for w in text.split()]
+
+    def _word_id(self, word: str) -> int:
+        try:
+            return parse_text(word)[0]
+        except (ValueError, KeyError, IndexError):
+            return xxhash.xxh64_intdigest(word.encode()) % (self.vocab_size - 1)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        if skip_special_tokens:
+            ids = [i for i in ids if i not in self.eos_token_ids]
+        return (" " + render_text(ids)) if ids else ""
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        text = " ".join(f"{m.get('role', 'user')}: {m.get('content') or ''}" for m in messages)
+        return text + (" assistant:" if add_generation_prompt else "")
