@@ -1,0 +1,141 @@
+"""The engine as users run it: three processes over ZeroMQ behind ``Engine`` (tiny model)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+pytest.importorskip("torch")
+
+from radixserve.engine.engine import Engine  # noqa: E402
+from radixserve.engine.tokenizer_manager import EngineDeadError, RequestError  # noqa: E402
+from tiny_models import build_tiny_model  # noqa: E402
+
+GREEDY = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+PROMPTS = [
+    "the quick brown fox jumps over the lazy dog and",
+    "the quick brown fox jumps over the lazy dog but",
+    "a radix tree shares the prefixes",
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model("llama3", tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    eng = Engine(model=str(model_dir), max_total_tokens=2048, context_length=128)
+    yield eng
+    eng.shutdown()
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def wait_idle(engine: Engine, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        st = engine.stats()
+        if st.num_running == 0 and st.num_waiting == 0:
+            return st
+        assert time.monotonic() < deadline, st
+        time.sleep(0.05)
+
+
+def test_batched_equals_alone_and_repeats_hit_the_cache(engine):
+    alone = [engine.generate(p, GREEDY) for p in PROMPTS]
+    batched = engine.generate(PROMPTS, GREEDY)
+    assert [o["output_ids"] for o in batched] == [o["output_ids"] for o in alone]
+    assert [o["text"] for o in batched] == [o["text"] for o in alone]
+    for o in batched:
+        meta = o["meta_info"]
+        assert meta["completion_tokens"] == 12 and meta["finish_reason"] == "length"
+        assert meta["cached_tokens"] > 0  # the same prompts ran alone just before
+        assert len(engine.tokenizer.encode(o["text"], add_special_tokens=False)) > 0
+
+
+def test_streaming_deltas_add_up_to_the_whole(engine):
+    whole = engine.generate(PROMPTS[2], GREEDY)
+
+    async def stream():
+        return [c async for c in engine.async_generate(PROMPTS[2], GREEDY)]
+
+    chunks = asyncio.run(stream())
+    assert len(chunks) == 12
+    assert "".join(c["text"] for c in chunks) == whole["text"]
+    assert [t for c in chunks for t in c["output_ids"]] == whole["output_ids"]
+    assert chunks[-1]["meta_info"]["finish_reason"] == "length"
+
+
+def test_stop_string_ends_the_text_before_it(engine):
+    whole = engine.generate(PROMPTS[0], {**GREEDY, "max_new_tokens": 24})["text"]
+    stop = whole[5:8]
+    assert stop.strip(), whole
+    out = engine.generate(PROMPTS[0], {**GREEDY, "max_new_tokens": 24, "stop": stop})
+    assert out["text"] == whole[: whole.index(stop)]
+    assert out["meta_info"]["finish_reason"] == "stop"
+    assert out["meta_info"]["matched_stop"] == stop
+
+
+def test_a_consumer_that_leaves_early_frees_its_kv(engine):
+    async def leave_after_two():
+        n = 0
+        async for _ in engine.async_generate(PROMPTS[1], {**GREEDY, "max_new_tokens": 80}):
+            n += 1
+            if n == 2:
+                break
+
+    asyncio.run(leave_after_two())
+    st = wait_idle(engine)
+    assert st.num_aborted >= 1
+    assert st.kv_usage == 0.0  # nothing held: every slot is free or evictable cache
+
+
+def test_bad_requests_get_clear_errors_and_the_engine_goes_on(engine):
+    with pytest.raises(RequestError, match="context length"):
+        engine.generate("fox " * 200, GREEDY)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        engine.generate(PROMPTS[0], {"max_new_tokens": 0})
+    with pytest.raises(RequestError, match="token ids"):
+        engine.generate(input_ids=[1, 2, 10**6], sampling_params=GREEDY)
+    assert engine.generate(PROMPTS[0], GREEDY)["meta_info"]["completion_tokens"] == 12
+
+
+def test_dead_scheduler_fails_callers_and_shutdown_leaves_no_process(model_dir):
+    eng = Engine(model=str(model_dir), max_total_tokens=1024)
+    pids = [p.pid for p in eng.procs.procs]
+    assert all(alive(p) for p in pids)
+    sched = next(p for p in eng.procs.procs if "scheduler" in p.name)
+
+    async def long_request():
+        return [c async for c in eng.async_generate(PROMPTS[0], {**GREEDY, "max_new_tokens": 80})]
+
+    started = time.monotonic()
+    os.kill(sched.pid, signal.SIGKILL)
+    with pytest.raises(EngineDeadError):
+        asyncio.run(long_request())
+    with pytest.raises(EngineDeadError):
+        eng.generate(PROMPTS[0], GREEDY)
+    assert time.monotonic() - started < 10  # an error, not a hang
+    eng.shutdown()
+    time.sleep(0.2)
+    assert not any(alive(p) for p in pids)
+
+
+def test_shutdown_of_a_healthy_engine_leaves_no_process(model_dir):
+    with Engine(model=str(model_dir), max_total_tokens=1024) as eng:
+        pids = [p.pid for p in eng.procs.procs]
+        eng.generate(PROMPTS[0], GREEDY)
+    time.sleep(0.2)
+    assert not any(alive(p) for p in pids)
