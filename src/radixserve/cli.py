@@ -12,7 +12,10 @@ from radixserve import __version__
 
 # subcommand -> module with ``add_parser(subparsers)``; the module's ``run(args)`` does the work.
 # Listed here only once the subcommand works end to end.
-SUBCOMMANDS: dict[str, str] = {"route": "radixserve.router.cli"}
+SUBCOMMANDS: dict[str, str] = {
+    "serve": "radixserve.server.cli",
+    "route": "radixserve.router.cli",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,158 @@
+"""The HTTP face of one engine: ``create_app`` builds the FastAPI app with the generation routes
+(routes.py) and the health, info, cache and metrics endpoints defined here."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response
+
+from radixserve import __version__
+from radixserve.engine.launch import EngineProcesses
+from radixserve.engine.tokenizer_manager import GenerateInput, RequestError
+from radixserve.sched.request import SamplingParams
+from radixserve.server.config import ServerConfig
+from radixserve.server.errors import ApiError, install_handlers
+from radixserve.server.metrics import CONTENT_TYPE, stats_dict
+from radixserve.server.protocol import add_body_schemas
+from radixserve.server.routes import inference_routes
+from radixserve.server.state import ServerState
+
+STATS_TIMEOUT_S = 5.0  # a scrape should not hang on a scheduler stuck in a long step
+
+
+def create_app(config: ServerConfig, engine: EngineProcesses) -> FastAPI:
+    """The app for a launched engine; its lifespan starts and stops the tokenizer manager."""
+    state = ServerState.create(config, engine)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await state.tm.start()
+        try:
+            yield
+        finally:
+            await state.tm.close()
+
+    app = FastAPI(title="radixserve", version=__version__, lifespan=lifespan)
+    app.state.server = state
+    install_handlers(app)
+    app.include_router(inference_routes(state))
+    app.include_router(_open_routes(state))
+    app.include_router(_admin_routes(state))
+    _use_body_schemas(app)
+    return app
+
+
+def _use_body_schemas(app: FastAPI) -> None:
+    # the generation routes read their bodies themselves (size limit, strict JSON), so their
+    # schemas are added to the document by hand
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            app.openapi_schema = add_body_schemas(doc)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+async def _stats(state: ServerState) -> dict[str, Any] | None:
+    """The scheduler's counters, or None if the engine cannot answer."""
+    if state.dead():
+        return None
+    try:
+        return stats_dict(await state.tm.control("stats", timeout=STATS_TIMEOUT_S))
+    except (RequestError, asyncio.TimeoutError):
+        return None
+
+
+def _open_routes(state: ServerState) -> APIRouter:
+    """Probes and metrics: no API key, so that orchestrators and scrapers need none."""
+    router = APIRouter()
+
+    @router.get("/health")
+    async def health() -> Response:
+        dead = state.dead()
+        if dead:
+            raise ApiError(503, f"the engine is down: {dead}", "engine_unavailable")
+        return Response(status_code=200)
+
+    @router.get("/health_generate")
+    async def health_generate() -> Response:
+        """Healthy only if a one-token generation completes in time."""
+        probe = GenerateInput(text="ping", sampling=SamplingParams(max_new_tokens=1, temperature=0))
+        try:
+            await asyncio.wait_for(_drain(state, probe), state.config.health_generate_timeout_secs)
+        except (RequestError, asyncio.TimeoutError) as e:
+            raise ApiError(503, f"the engine cannot generate: {e!r}", "engine_unavailable") from e
+        return Response(status_code=200)
+
+    @router.get("/metrics")
+    async def metrics() -> Response:
+        state.metrics.set_engine(await _stats(state))
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    return router
+
+
+async def _drain(state: ServerState, inp: GenerateInput) -> None:
+    async for _ in state.tm.generate(inp):
+        pass
+
+
+def _admin_routes(state: ServerState) -> APIRouter:
+    router = APIRouter(dependencies=[Depends(state.authorize)])
+
+    @router.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": state.model_name, "object": "model", "created": int(state.started),
+                "owned_by": "radixserve", "root": _model_path(state),
+                "max_model_len": state.tm.context_length}  # fmt: skip
+        return {"object": "list", "data": [card]}
+
+    @router.get("/get_model_info")
+    async def model_info() -> dict[str, Any]:
+        info = state.engine.info
+        return {"model_path": _model_path(state), "tokenizer_path": _model_path(state),
+                "served_model_name": state.model_name, "is_generation": True,
+                "context_length": state.tm.context_length,
+                "vocab_size": info.get("vocab_size"),
+                "max_total_tokens": info.get("max_total_tokens")}  # fmt: skip
+
+    @router.get("/get_server_info")
+    async def server_info() -> dict[str, Any]:
+        ec = state.engine.config
+        return {
+            "version": __version__, "served_model_name": state.model_name,
+            "uptime_s": round(time.time() - state.started, 3),
+            "server": state.config.public(), "model": dataclasses.asdict(ec.model),
+            "cache": dataclasses.asdict(ec.cache), "scheduler": dataclasses.asdict(ec.sched),
+            "engine": state.engine.info, "engine_alive": state.dead() is None,
+            "stats": await _stats(state),
+        }  # fmt: skip
+
+    @router.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> JSONResponse:
+        try:
+            flushed = await state.tm.control("flush_cache", timeout=STATS_TIMEOUT_S)
+        except asyncio.TimeoutError as e:
+            raise ApiError(503, "the engine did not answer", "engine_unavailable") from e
+        if not flushed:
+            raise ApiError(409, "requests are running or waiting; the prefix cache can only be "
+                           "flushed while the engine is idle", "engine_busy")  # fmt: skip
+        return JSONResponse({"success": True, "message": "Cache flushed."})
+
+    return router
+
+
+def _model_path(state: ServerState) -> str:
+    ec = state.engine.config
+    if ec.sim is not None:
+        return f"sim:{ec.sim}"
+    return ec.model.model or "built-in:SmolLM2-135M"

@@ -1,0 +1,45 @@
+"""ServerConfig: the HTTP side of `radixserve serve` (address, auth, limits, names); the engine's
+own settings stay in ModelConfig, CacheConfig and SchedulerConfig."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    host: str = _f("127.0.0.1", "address to listen on")
+    port: int = _f(30000, "port to listen on (0: any free port; the one chosen is printed)")
+    sim: str | None = _f(
+        None, "simulate the model with this cost-model preset (e.g. tiny-cpu), in real time"
+    )
+    served_model_name: str | None = _f(
+        None, "the model name clients send and see (default: the model's own name)"
+    )
+    api_key: str | None = _f(None, "bearer key required on every endpoint but /health, /metrics")
+    max_payload_size: int = _f(32 * 2**20, "largest request body in bytes (larger: 413)")
+    max_batch_size: int = _f(256, "most choices one request may ask for (prompts x n)")
+    health_generate_timeout_secs: float = _f(
+        20.0, "a /health_generate probe slower than this reports the engine unhealthy"
+    )
+    log_level: str = _f(
+        "info", "log level", choices=("critical", "error", "warning", "info", "debug")
+    )
+    access_log: bool = _f(False, "log every HTTP request (costs CPU under load)")
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_payload_size < 1 or self.max_batch_size < 1:
+            raise ValueError("max_payload_size and max_batch_size must be >= 1")
+
+    def public(self) -> dict[str, Any]:
+        """Settings safe to show on /get_server_info (no secrets)."""
+        out = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        out["api_key"] = "***" if self.api_key else None
+        return out

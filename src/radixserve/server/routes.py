@@ -1,0 +1,258 @@
+"""The generation endpoints: OpenAI's /v1/completions and /v1/chat/completions and SGLang's
+/generate, each answered whole or streamed as server-sent events ending in ``data: [DONE]``."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import Request
+
+from radixserve.engine.messages import TextOut
+from radixserve.engine.tokenizer_manager import GenerateInput, RequestError
+from radixserve.server.errors import ApiError
+from radixserve.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    GenerateRequest,
+    GenerateSampling,
+    openapi_body,
+)
+from radixserve.server.responses import DONE, Choice, Head, generate_body, sse
+from radixserve.server.state import ServerState, read_json
+from radixserve.server.streams import Generation, unless_disconnected
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+Render = Callable[[Choice, TextOut], Iterable[bytes]]
+OPENAI_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+SGLANG_DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default for /generate
+
+
+def inference_routes(state: ServerState) -> APIRouter:
+    router = APIRouter(dependencies=[Depends(state.authorize)])
+    limit = state.config.max_payload_size
+
+    @router.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
+    async def completions(request: Request) -> Response:
+        start = time.perf_counter()
+        body = await read_json(request, CompletionRequest, limit)
+        return await _openai(request, state, body, _completion_inputs(body), start)
+
+    @router.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest))
+    async def chat_completions(request: Request) -> Response:
+        start = time.perf_counter()
+        body = await read_json(request, ChatCompletionRequest, limit)
+        return await _openai(request, state, body, [_chat_input(body)], start)
+
+    @router.post("/generate", openapi_extra=openapi_body(GenerateRequest))
+    async def generate(request: Request) -> Response:
+        start = time.perf_counter()
+        body = await read_json(request, GenerateRequest, limit)
+        return await _generate(request, state, body, start)
+
+    return router
+
+
+# -- OpenAI ----------------------------------------------------------------------------------
+def _completion_inputs(body: CompletionRequest) -> list[GenerateInput]:
+    if body.echo or body.logprobs is not None:
+        raise ApiError(400, "echo and logprobs are not supported", "unsupported_parameter",
+                       "echo" if body.echo else "logprobs")  # fmt: skip
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        return [GenerateInput(text=prompt)]
+    if not prompt:
+        raise ApiError(400, "the prompt is empty", param="prompt")
+    if isinstance(prompt[0], int):
+        return [GenerateInput(input_ids=list(prompt))]  # type: ignore[arg-type]
+    if isinstance(prompt[0], str):
+        return [GenerateInput(text=p) for p in prompt]  # type: ignore[misc]
+    return [GenerateInput(input_ids=list(p)) for p in prompt]  # type: ignore[arg-type]
+
+
+def _chat_input(body: ChatCompletionRequest) -> GenerateInput:
+    if body.logprobs:
+        raise ApiError(400, "logprobs are not supported", "unsupported_parameter", "logprobs")
+    return GenerateInput(messages=[_message(m, i) for i, m in enumerate(body.messages)])
+
+
+def _message(m: ChatMessage, i: int) -> dict[str, Any]:
+    content = m.content
+    if isinstance(content, list):
+        if any(p.type != "text" for p in content):
+            raise ApiError(400, "only text content parts are supported", "unsupported_content",
+                           f"messages.{i}.content")  # fmt: skip
+        content = "".join(p.text or "" for p in content)
+    out = {"role": m.role, "content": content or ""}
+    return out | {"name": m.name} if m.name else out
+
+
+async def _openai(
+    request: Request, state: ServerState, body: CompletionRequest | ChatCompletionRequest,
+    prompts: list[GenerateInput], start: float,
+) -> Response:  # fmt: skip
+    state.check_model(body.model)
+    state.check_batch(len(prompts) * body.n)
+    chat = isinstance(body, ChatCompletionRequest)
+    asked = (body.max_completion_tokens or body.max_tokens) if chat else body.max_tokens
+    limit_param = "max_completion_tokens" if chat and body.max_completion_tokens else "max_tokens"
+    params = ("messages" if chat else "prompt", limit_param)
+    default = None if chat else OPENAI_DEFAULT_MAX_TOKENS
+    prepared = [state.prepare(p, body.sampling(asked), default, params) for p in prompts]
+    inputs = [dataclasses.replace(p) for p in prepared for _ in range(body.n)]
+    head = Head.new(chat, state.model_name)
+    gen = state.start(inputs, start)
+    if body.stream:
+        return await _stream(request, gen, _openai_events(gen, head, body))
+    return JSONResponse(head.body(await _collect(request, gen), body.n))
+
+
+def _openai_events(
+    gen: Generation, head: Head, body: CompletionRequest | ChatCompletionRequest
+) -> AsyncIterator[bytes]:
+    usage = body.include_usage
+    render = _chat_render(head, usage) if head.chat else _text_render(head, usage)
+    opening = [_chat_opening(head, len(gen.choices), usage)] if head.chat else []
+
+    def closing() -> list[bytes]:
+        return [sse(head.usage_chunk(gen.choices, body.n))] if usage else []
+
+    return _events(gen, render, opening, closing)
+
+
+def _with_usage(chunk: dict[str, Any], include_usage: bool) -> dict[str, Any]:
+    # OpenAI sends "usage": null on every chunk but the last one when usage is asked for
+    return chunk | {"usage": None} if include_usage else chunk
+
+
+def _text_render(head: Head, include_usage: bool) -> Render:
+    def render(c: Choice, out: TextOut) -> Iterable[bytes]:
+        if out.text or out.finished:
+            yield sse(_with_usage(head.chunk(c.index, out.text, c.finish_reason), include_usage))
+
+    return render
+
+
+def _chat_render(head: Head, include_usage: bool) -> Render:
+    def render(c: Choice, out: TextOut) -> Iterable[bytes]:
+        if out.text:
+            yield sse(_with_usage(head.chunk(c.index, {"content": out.text}, None), include_usage))
+        if out.finished:
+            yield sse(_with_usage(head.chunk(c.index, {}, c.finish_reason), include_usage))
+
+    return render
+
+
+def _chat_opening(head: Head, n: int, include_usage: bool) -> bytes:
+    """The first chunk of every chat choice names the role, as OpenAI's do."""
+    delta = {"role": "assistant", "content": ""}
+    return b"".join(sse(_with_usage(head.chunk(i, delta, None), include_usage)) for i in range(n))
+
+
+# -- SGLang ----------------------------------------------------------------------------------
+async def _generate(
+    request: Request, state: ServerState, body: GenerateRequest, start: float
+) -> Response:
+    prompts, batch, param = _generate_prompts(body)
+    samplings = _samplings(body.sampling_params, len(prompts))
+    params = (param, "sampling_params.max_new_tokens")
+    inputs = [
+        state.prepare(p, s.sampling(s.max_new_tokens), SGLANG_DEFAULT_MAX_NEW_TOKENS, params)
+        for p, s in zip(prompts, samplings)
+    ]
+    if body.rid is not None and not batch:
+        inputs[0].rid = body.rid
+    gen = state.start(inputs, start)
+    if body.stream:
+
+        def render(c: Choice, _: TextOut) -> list[bytes]:
+            return [sse(generate_body(c, batch))]
+
+        return await _stream(request, gen, _events(gen, render, [], list))
+    choices = await _collect(request, gen)
+    out = [generate_body(c, True) for c in choices] if batch else generate_body(choices[0], False)
+    return JSONResponse(out)
+
+
+def _generate_prompts(body: GenerateRequest) -> tuple[list[GenerateInput], bool, str]:
+    """The prompts, whether they came as a batch, and the field they came in."""
+    if (body.text is None) == (body.input_ids is None):
+        raise ApiError(400, "give exactly one of text and input_ids", param="text")
+    if isinstance(body.text, str):
+        return [GenerateInput(text=body.text)], False, "text"
+    if body.text is not None:
+        if not body.text:
+            raise ApiError(400, "text is an empty batch", param="text")
+        return [GenerateInput(text=t) for t in body.text], True, "text"
+    ids = body.input_ids or []
+    if not ids or isinstance(ids[0], int):
+        return [GenerateInput(input_ids=list(ids))], False, "input_ids"  # type: ignore[arg-type]
+    return [GenerateInput(input_ids=list(i)) for i in ids], True, "input_ids"  # type: ignore[arg-type]
+
+
+def _samplings(
+    given: GenerateSampling | list[GenerateSampling] | None, count: int
+) -> list[GenerateSampling]:
+    if not isinstance(given, list):
+        return [given or GenerateSampling()] * count
+    if len(given) != count:
+        raise ApiError(400, f"sampling_params has {len(given)} entries for {count} prompts",
+                       param="sampling_params")  # fmt: skip
+    return given
+
+
+# -- shared ----------------------------------------------------------------------------------
+async def _collect(request: Request, gen: Generation) -> list[Choice]:
+    try:
+        return await unless_disconnected(request, gen.collect())
+    finally:
+        gen.close()
+
+
+async def _events(
+    gen: Generation, render: Render, opening: list[bytes], closing: Callable[[], list[bytes]]
+) -> AsyncIterator[bytes]:
+    """SSE events; nothing is yielded before the first output, so that an error the engine
+    reports before any token (a prompt it refuses, a dead engine) still gets its HTTP status."""
+    outputs = gen.outputs()
+    choice, out = await anext(outputs)
+    for event in opening:
+        yield event
+    for event in render(choice, out):
+        yield event
+    try:
+        async for choice, out in outputs:
+            for event in render(choice, out):
+                yield event
+    except RequestError as e:  # too late for a status code: the error is the last event
+        yield sse(ApiError.from_engine(e).body())
+    else:
+        for event in closing():
+            yield event
+    yield DONE
+
+
+async def _stream(request: Request, gen: Generation, events: AsyncIterator[bytes]) -> Response:
+    try:
+        first = await unless_disconnected(request, anext(events))
+    except BaseException:
+        gen.close()
+        raise
+    return StreamingResponse(_chain(first, events, gen), media_type="text/event-stream",
+                             headers=SSE_HEADERS)  # fmt: skip
+
+
+async def _chain(
+    first: bytes, events: AsyncIterator[bytes], gen: Generation
+) -> AsyncIterator[bytes]:
+    try:
+        yield first
+        async for event in events:
+            yield event
+    finally:
+        gen.close()  # a client that went away cancels the stream here: abort what still runs

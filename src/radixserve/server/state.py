@@ -1,0 +1,135 @@
+"""What every route of one server shares: its config, the engine and its tokenizer manager, the
+metrics; and the checks that turn a request into engine inputs (auth, body, model, length)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
+from starlette.requests import Request
+
+from radixserve.engine.engine import sampling_from
+from radixserve.engine.launch import EngineProcesses
+from radixserve.engine.tokenizer_manager import GenerateInput, RequestError, TokenizerManager
+from radixserve.server.config import ServerConfig
+from radixserve.server.errors import ApiError
+from radixserve.server.metrics import ServerMetrics
+from radixserve.server.streams import Generation
+
+M = TypeVar("M", bound=BaseModel)
+
+
+@dataclass
+class ServerState:
+    config: ServerConfig
+    engine: EngineProcesses
+    tm: TokenizerManager
+    metrics: ServerMetrics
+    model_name: str
+    window: int  # most tokens one request may hold: the context, or the KV pool if smaller
+    started: float
+
+    @classmethod
+    def create(cls, config: ServerConfig, engine: EngineProcesses) -> ServerState:
+        ep, info = engine.endpoints, engine.info
+        tm = TokenizerManager(engine.tokenizer, ep.sched, ep.tm, engine.why_dead)
+        name = config.served_model_name or str(info.get("model") or engine.tokenizer.name)
+        window = min(tm.context_length, int(info.get("max_total_tokens") or tm.context_length))
+        return cls(config, engine, tm, ServerMetrics(), name, window, time.time())
+
+    def dead(self) -> str | None:
+        """Why the engine cannot serve, or None while it can."""
+        return self.tm.dead or self.engine.why_dead()
+
+    def authorize(self, request: Request) -> None:
+        """FastAPI dependency: the bearer key, when the server has one."""
+        key = self.config.api_key
+        if key is None:
+            return
+        got = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(got, f"Bearer {key}".encode()):
+            raise ApiError(401, "missing or wrong API key (Authorization: Bearer ...)",
+                           "invalid_api_key")  # fmt: skip
+
+    def check_model(self, name: str | None) -> None:
+        if name is None or name in (self.model_name, self.engine.config.model.model, "default"):
+            return
+        raise ApiError(404, f"the model {name!r} does not exist; this server serves "
+                       f"{self.model_name!r}", "model_not_found", "model")  # fmt: skip
+
+    def check_batch(self, count: int) -> None:
+        if count > self.config.max_batch_size:
+            raise ApiError(400, f"{count} choices asked for; at most "
+                           f"{self.config.max_batch_size} per request", param="n")  # fmt: skip
+
+    def prepare(
+        self, inp: GenerateInput, sampling: dict[str, Any], default_max: int | None,
+        params: tuple[str, str],
+    ) -> GenerateInput:  # fmt: skip
+        """Tokenize ``inp`` and fix its sampling; ``default_max`` applies when the client set no
+        limit (None: up to the context). ``params`` names the prompt and the limit fields."""
+        ids = self._tokenize(inp, params[0])
+        room = self.window - len(ids)
+        asked = sampling["max_new_tokens"]
+        if room < 1 or (asked is not None and asked > room):
+            raise ApiError(400, self._too_long(len(ids), asked), "context_length_exceeded",
+                           params[0] if room < 1 else params[1])  # fmt: skip
+        if asked is None:
+            asked = room if default_max is None else min(default_max, room)
+        try:
+            sp = sampling_from({**sampling, "max_new_tokens": asked})
+        except (TypeError, ValueError) as e:
+            raise ApiError(400, str(e)) from e
+        return dataclasses.replace(inp, text=None, messages=None, input_ids=ids, sampling=sp)
+
+    def _tokenize(self, inp: GenerateInput, param: str) -> list[int]:
+        try:
+            return self.tm.tokenize(inp)
+        except RequestError as e:
+            raise ApiError.from_engine(e, param) from e
+        except Exception as e:  # a chat template that refuses the conversation, for one
+            raise ApiError(400, f"cannot tokenize the prompt: {e}", param=param) from e
+
+    def _too_long(self, prompt: int, asked: int | None) -> str:
+        what = "context length" if self.window == self.tm.context_length else "KV pool size"
+        total = prompt + (asked or 0)
+        return (f"this request needs {total} tokens ({prompt} in the prompt, {asked or 0} to "
+                f"generate); the model's {what} allows {self.window}")  # fmt: skip
+
+    def start(self, inputs: Sequence[GenerateInput], start: float) -> Generation:
+        """Send ``inputs`` to the engine; the caller must ``close()`` what this returns."""
+        self.check_batch(len(inputs))
+        tracks = [self.metrics.track(start) for _ in inputs]
+        return Generation(self.tm, inputs, tracks)
+
+
+async def read_json(request: Request, model: type[M], limit: int) -> M:
+    """The body, at most ``limit`` bytes, parsed as JSON and validated as ``model``."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    try:
+        data = json.loads(b"".join(chunks), parse_constant=_no_constant)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise ApiError(400, f"the body is not valid JSON: {e}", "invalid_json") from e
+    return model.model_validate(data)
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the body is larger than {limit} bytes", "payload_too_large")
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
