@@ -1,9 +1,9 @@
 """A tiny loopback worker that speaks the engine's HTTP API, for router tests and benchmarks.
 Run `python tests/fake_worker.py --port 0`; it prints `READY <port>` once it listens.
 
-It answers instantly (or after `--token-delay-ms` per streamed token) and keeps a toy prefix
-cache (chained hashes of 64-character blocks) so that it can report the hit rate a real engine
-would see. Test hooks: POST /fake/fail {"count": n, "status": 500} fails the next n generation
+It answers instantly (or after `--token-delay-ms` per generated token, streamed or not) and
+keeps a toy prefix cache (chained hashes of 64-character blocks, LRU beyond `--cache-chars`) so
+that it can report the hit rate a real engine with that much KV cache would see. Test hooks: POST /fake/fail {"count": n, "status": 500} fails the next n generation
 requests; POST /fake/health {"ok": false} makes /health answer 503.
 """
 
@@ -14,6 +14,7 @@ import asyncio
 import json
 import sys
 import time
+from collections import OrderedDict
 
 import httptools
 
@@ -26,9 +27,10 @@ SSE_HEAD = (
 class FakeEngine:
     """Request handling without I/O: which answer a path and body get."""
 
-    def __init__(self, name: str, model: str) -> None:
+    def __init__(self, name: str, model: str, cache_chars: int = 0) -> None:
         self.name, self.model = name, model
-        self.blocks: set[int] = set()
+        self.capacity = cache_chars // BLOCK if cache_chars > 0 else 2_000_000
+        self.blocks: OrderedDict[int, None] = OrderedDict()
         self.prompt_chars = self.cached_chars = self.requests = self.in_flight = 0
         self.fail_count, self.fail_status, self.healthy = 0, 500, True
 
@@ -39,17 +41,19 @@ class FakeEngine:
         return prompt if isinstance(prompt, str) else json.dumps(prompt)
 
     def cache(self, prompt: str) -> int:
-        """Characters of `prompt` found cached (whole blocks); then caches all of it."""
-        h, hit, hits = 0, True, 0
+        """Characters of `prompt` found cached (whole blocks); then caches all of it, evicting
+        the least recently used blocks beyond capacity."""
+        h, hit, hits, blocks = 0, True, 0, self.blocks
         for start in range(0, len(prompt) - BLOCK + 1, BLOCK):
             h = hash((h, prompt[start : start + BLOCK]))
-            if hit and h in self.blocks:
+            if hit and h in blocks:
                 hits += BLOCK
+                blocks.move_to_end(h)
             else:
                 hit = False
-                self.blocks.add(h)
-        if len(self.blocks) > 2_000_000:
-            self.blocks.clear()
+                blocks[h] = None
+        while len(blocks) > self.capacity:
+            blocks.popitem(last=False)
         self.prompt_chars += len(prompt)
         self.cached_chars += hits
         return hits
@@ -162,9 +166,24 @@ class WorkerConn(asyncio.Protocol):
         cached = eng.cache(prompt)
         if req.get("stream"):
             asyncio.get_running_loop().create_task(self.stream(path, req, prompt, cached))
+        elif self.token_delay:
+            asyncio.get_running_loop().create_task(self.later(path, req, prompt, cached))
         else:
             text = "".join(eng.tokens(req))
             self.reply(200, eng.final(path, req, text, prompt, cached))
+
+    async def later(self, path: str, req: dict, prompt: str, cached: int) -> None:
+        """A non-streamed answer after as long as generating its tokens would take."""
+        eng, tokens = self.engine, self.engine.tokens(req)
+        eng.in_flight += 1
+        self.transport.pause_reading()  # type: ignore[union-attr]
+        try:
+            await asyncio.sleep(self.token_delay * len(tokens))
+            self.reply(200, eng.final(path, req, "".join(tokens), prompt, cached))
+        finally:
+            eng.in_flight -= 1
+            if self.transport is not None:
+                self.transport.resume_reading()
 
     async def stream(self, path: str, req: dict, prompt: str, cached: int) -> None:
         eng = self.engine
@@ -200,18 +219,22 @@ class WorkerConn(asyncio.Protocol):
 
 
 async def start(
-    port: int = 0, name: str = "fake", model: str = "fake-model", token_delay_ms: float = 0.0
+    port: int = 0,
+    name: str = "fake",
+    model: str = "fake-model",
+    token_delay_ms: float = 0.0,
+    cache_chars: int = 0,
 ) -> tuple[asyncio.AbstractServer, FakeEngine, int]:
     """Listen on 127.0.0.1:`port` (0: any free port) in the running loop."""
-    engine = FakeEngine(name, model)
+    engine = FakeEngine(name, model, cache_chars)
     server = await asyncio.get_running_loop().create_server(
         lambda: WorkerConn(engine, token_delay_ms / 1000), "127.0.0.1", port, backlog=1024
     )
     return server, engine, server.sockets[0].getsockname()[1]
 
 
-async def serve(port: int, name: str, model: str, token_delay_ms: float) -> None:
-    server, _, bound = await start(port, name, model, token_delay_ms)
+async def serve(port: int, name: str, model: str, token_delay_ms: float, cache: int) -> None:
+    server, _, bound = await start(port, name, model, token_delay_ms, cache)
     print(f"READY {bound}", flush=True)
     async with server:
         await server.serve_forever()
@@ -223,8 +246,9 @@ def main() -> None:
     ap.add_argument("--name", default=f"fake-{time.monotonic_ns() % 100000}")
     ap.add_argument("--model", default="fake-model")
     ap.add_argument("--token-delay-ms", type=float, default=0.0)
+    ap.add_argument("--cache-chars", type=int, default=0, help="prefix cache size (0: ample)")
     args = ap.parse_args()
-    coro = serve(args.port, args.name, args.model, args.token_delay_ms)
+    coro = serve(args.port, args.name, args.model, args.token_delay_ms, args.cache_chars)
     try:
         import uvloop
     except ImportError:

@@ -146,21 +146,34 @@ def test_removed_worker_is_forgotten() -> None:
 
 
 def test_eviction_runs_on_the_interval_and_zero_disables_it() -> None:
-    config = CachePolicyConfig(eviction_interval_secs=10, max_tree_size=60)
+    config = CachePolicyConfig(eviction_interval_secs=10, max_tree_size=100)
     policy = CacheAwarePolicy(config)
-    for i in range(4):
+    for i in range(2):  # 50 units each: at the cap, not over it
         policy.on_dispatch("w0", RequestView.from_prompt(f"{i}" * 400), now=float(i))
+    assert policy.tree_size()["w0"] == 100
     policy.tick(now=100.0)
-    assert policy.tree_size()["w0"] <= 60
+    assert policy.tree_size()["w0"] == 50  # trimmed below 7/8 of the cap, oldest first
     policy.on_dispatch("w0", RequestView.from_prompt("9" * 400), now=101.0)
     policy.tick(now=105.0)
-    assert policy.tree_size()["w0"] > 60
+    assert policy.tree_size()["w0"] == 100
     policy.tick(now=110.0)
-    assert policy.tree_size()["w0"] <= 60
+    assert policy.tree_size()["w0"] == 50
     frozen = CacheAwarePolicy(CachePolicyConfig(eviction_interval_secs=0, max_tree_size=1))
     frozen.on_dispatch("w0", RequestView.from_prompt("9" * 400), now=0.0)
     frozen.tick(now=1e9)
     assert frozen.tree_size()["w0"] == 50
+
+
+def test_tree_size_cap_holds_between_ticks() -> None:
+    # However fast requests come, no worker's tree outgrows the cap before the next tick.
+    policy = CacheAwarePolicy(CachePolicyConfig(eviction_interval_secs=60, max_tree_size=400))
+    for i in range(200):
+        policy.on_dispatch(f"w{i % 2}", RequestView.from_prompt(f"{i:04d}" * 100), now=i / 1e3)
+        assert max(policy.tree_size().values()) <= 400
+    assert min(policy.tree_size().values()) >= 300  # trimmed to 7/8 of the cap, not emptied
+    latest = RequestView.from_prompt("0199" * 100)
+    assert policy.tree.prefix_match_tenant(latest.key, "w1", latest.namespace) == 50  # LRU kept
+    policy.tree.check_integrity()
 
 
 def test_overloaded_worker_gets_no_new_prefixes() -> None:
