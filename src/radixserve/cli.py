@@ -15,6 +15,7 @@ from radixserve import __version__
 SUBCOMMANDS: dict[str, str] = {
     "serve": "radixserve.server.cli",
     "route": "radixserve.router.cli",
+    "sim": "radixserve.sim.cli",
 }
 
 

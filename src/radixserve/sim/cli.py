@@ -1,0 +1,162 @@
+"""`radixserve sim`: run a workload through a simulated fleet under one or more router and
+schedule policies, and print one comparison table (plus JSON and a PNG plot on request)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import sys
+from typing import Any
+
+from radixserve.config import CacheConfig, SchedulerConfig, add_dataclass_args, from_args
+from radixserve.router.policies import POLICIES
+from radixserve.sim.cluster import ClusterConfig, best_hit_rate, simulate
+from radixserve.sim.costmodel import get_cost_model
+from radixserve.sim.report import SimResult, format_table
+from radixserve.sim.runner import SimRunner
+from radixserve.sim.workload_args import add_workload_args, make_requests
+
+# flags that take several values: every combination is one run of the comparison
+_SWEPT = {"router": "cache_aware", "schedule_policy": "lpm", "max_wait_ms": None}
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register the `sim` subcommand."""
+    parser = subparsers.add_parser(
+        "sim",
+        help="simulate a fleet of engines behind a router, without a GPU",
+        description=(
+            "Discrete-event simulation of N engines (the real scheduler and radix cache, a cost "
+            "model instead of a GPU) behind a router policy. Several values of --router, "
+            "--schedule-policy or --max-wait-ms run every combination and compare them. The "
+            "KV pool defaults to what the preset's GPU holds beside the weights."
+        ),
+    )
+    add_workload_args(parser)
+    add_dataclass_args(parser, ClusterConfig, "cluster")
+    add_dataclass_args(parser, SchedulerConfig, "engine scheduler")
+    add_dataclass_args(parser, CacheConfig, "engine cache")
+    for action in parser._actions:
+        if action.dest in _SWEPT:
+            action.nargs, action.default = "+", [_SWEPT[action.dest]]
+        if action.dest == "router":
+            action.choices = sorted(POLICIES)
+        if action.dest == "max_total_tokens":
+            action.default = None
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    out.add_argument("--plot", metavar="PNG", help="plot the comparison (needs matplotlib)")
+    out.add_argument(
+        "--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar"
+    )
+    parser.set_defaults(run=run)
+    return parser
+
+
+def _runs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
+    """(label, overrides) for every combination of the swept flags."""
+    values = {k: list(dict.fromkeys(getattr(args, k))) for k in _SWEPT}
+    varying = [k for k, v in values.items() if len(v) > 1] or ["router"]
+    runs = []
+    for combo in itertools.product(*values.values()):
+        over = dict(zip(values, combo))
+        label = "/".join(_label(k, over[k]) for k in varying)
+        runs.append((label, over))
+    return runs
+
+
+def _label(key: str, value: Any) -> str:
+    return f"wait={value}ms" if key == "max_wait_ms" else str(value)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except (ValueError, OSError) as e:
+        print(f"radixserve sim: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    plain = {k: v for k, v in vars(args).items() if k not in _SWEPT}
+    base = argparse.Namespace(**plain, **{k: v for k, v in _SWEPT.items()})
+    cluster = from_args(ClusterConfig, base)
+    if args.max_total_tokens is None:
+        base.max_total_tokens = get_cost_model(cluster.preset).kv_capacity_tokens
+    cache = from_args(CacheConfig, base)
+    runner = SimRunner(cluster.preset, seed=cluster.sim_seed)
+    workload, requests = make_requests(args, runner.generate)
+    chat = args.workload == "multi-turn"
+    outputs = (lambda r: runner.generate(r.input_ids, r.output_len)) if chat else None
+    best = best_hit_rate(requests, outputs, cache.page_size)
+    print(_header(args.workload, workload, cluster, cache, requests, best))
+    results = []
+    for label, over in _runs(args):
+        sched = dataclasses.replace(
+            from_args(SchedulerConfig, base),
+            schedule_policy=over["schedule_policy"],
+            max_wait_ms=over["max_wait_ms"],
+        )
+        config = dataclasses.replace(cluster, router=over["router"])
+        res = simulate(requests, config, sched, cache, label, args.progress, best)
+        results.append(res)
+    print(format_table(results))
+    print(_speed(results))
+    if args.json:
+        _write_json(args.json, args.workload, workload, cluster, cache, results)
+    if args.plot:
+        from radixserve.sim.plot import plot_results
+
+        plot_results(results, args.plot, title=f"{args.workload}, {cluster.engines} engines")
+        print(f"plot: {args.plot}")
+    return 0 if all(r.num_unfinished == 0 for r in results) else 1
+
+
+def _header(
+    name: str,
+    workload: Any,
+    cluster: ClusterConfig,
+    cache: CacheConfig,
+    requests: list,
+    best: float,
+) -> str:
+    params = ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(workload).items())
+    prompt = sum(len(r.input_ids) for r in requests)
+    return "\n".join(
+        [
+            f"workload: {name} ({params})",
+            f"  {len(requests)} requests, {prompt:,} prompt tokens, "
+            f"{sum(r.output_len for r in requests):,} output tokens",
+            f"fleet: {cluster.engines} x {cluster.preset}, {cache.max_total_tokens:,} KV tokens "
+            f"per engine, page size {cache.page_size}",
+            f"best achievable hit rate (one unbounded cache): {best:.1%}",
+        ]
+    )
+
+
+def _speed(results: list[SimResult]) -> str:
+    reqs = sum(r.num_requests for r in results)
+    wall = sum(r.wall_s for r in results)
+    rate = 60 * reqs / wall if wall else float("inf")
+    return f"simulated {reqs:,} requests in {wall:.1f} s of wall time: {rate:,.0f} requests/min"
+
+
+def _write_json(
+    path: str,
+    name: str,
+    workload: Any,
+    cluster: ClusterConfig,
+    cache: CacheConfig,
+    results: list[SimResult],
+) -> None:
+    doc = {
+        "workload": {"name": name, **dataclasses.asdict(workload)},
+        "cluster": dataclasses.asdict(cluster),
+        "cache": dataclasses.asdict(cache),
+        "results": [r.to_dict() for r in results],
+    }
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=2, default=str)
+    print(f"json: {path}")

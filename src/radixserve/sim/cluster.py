@@ -1,0 +1,348 @@
+"""Discrete-event simulation of a cluster: N engines (the real Scheduler and RadixCache, run by
+SimRunner) behind one router policy, on a virtual clock. Owns the event loop and its report."""
+
+# Events live on one heap ordered by (time, kind, seq): at equal times arrivals come first, then
+# step completions, then wake-ups of idle engines, so that requests arriving together are
+# batched together. An engine steps as soon as it has work: step() -> SimRunner.run() gives the
+# batch and its duration; the batch's on_output() runs when the virtual clock reaches its end.
+# The router sees what a real proxy sees: each worker's in-flight requests and prompt tokens,
+# and the prompt's token ids (its own approximate tree for cache_aware).
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from tqdm import tqdm
+
+from radixserve.config import CacheConfig, SchedulerConfig
+from radixserve.router.policies import (
+    CachePolicyConfig,
+    RequestView,
+    WorkerView,
+    create_policy,
+)
+from radixserve.sched.batch import Batch, StepResult
+from radixserve.sched.request import Req, SamplingParams
+from radixserve.sched.scheduler import Scheduler
+from radixserve.sim.costmodel import get_cost_model
+from radixserve.sim.report import EngineLoad, SimResult
+from radixserve.sim.runner import SimRunner
+from radixserve.sim.workloads import WorkloadRequest
+
+_ARRIVE, _DONE, _WAKE = 0, 1, 2
+PROGRESS_MIN_REQUESTS = 5000  # a progress bar only for runs this long (when asked for one)
+_POLICY = CachePolicyConfig()
+
+
+def _f(default: object, help: str, **kw: object) -> object:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    """The simulated fleet: how many engines, on which GPU and model, behind which router."""
+
+    engines: int = _f(8, "engines (workers) behind the router")
+    router: str = _f("cache_aware", "router policy (as `radixserve route --policy`)")
+    preset: str = _f("llama3-8b-h100", "cost model of every engine: GPU and model")
+    max_concurrency: int | None = _f(
+        None, "most requests in flight; later ones wait client-side (None: open loop)"
+    )
+    sim_seed: int = _f(0, "seed of the router policy and of the simulated runners")
+    cache_threshold: float = _f(_POLICY.cache_threshold, "cache_aware: see `radixserve route`")
+    balance_abs_threshold: int = _f(_POLICY.balance_abs_threshold, "cache_aware: load gap")
+    balance_rel_threshold: float = _f(_POLICY.balance_rel_threshold, "cache_aware: load ratio")
+    eviction_interval_secs: float = _f(
+        _POLICY.eviction_interval_secs, "cache_aware: virtual seconds between tree evictions"
+    )
+    max_tree_size: int = _f(_POLICY.max_tree_size, "cache_aware: tree units kept per worker")
+
+    def __post_init__(self) -> None:
+        if self.engines < 1:
+            raise ValueError(f"engines must be >= 1, got {self.engines}")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+        get_cost_model(self.preset)  # unknown presets fail here, listing the known ones
+        self.policy_config()
+
+    def policy_config(self) -> CachePolicyConfig:
+        return CachePolicyConfig(
+            cache_threshold=self.cache_threshold,
+            balance_abs_threshold=self.balance_abs_threshold,
+            balance_rel_threshold=self.balance_rel_threshold,
+            eviction_interval_secs=self.eviction_interval_secs,
+            max_tree_size=self.max_tree_size,
+        )
+
+
+def default_cache_config(config: ClusterConfig) -> CacheConfig:
+    """A KV pool as large as the preset's GPU holds beside the weights."""
+    return CacheConfig(max_total_tokens=get_cost_model(config.preset).kv_capacity_tokens)
+
+
+class _Engine:
+    """One simulated engine: its scheduler and runner, the batch in flight and its load."""
+
+    __slots__ = ("idx", "sched", "runner", "batch", "result", "awake", "load", "requests", "tokens")
+
+    def __init__(self, idx: int, sched: Scheduler, runner: SimRunner) -> None:
+        self.idx, self.sched, self.runner = idx, sched, runner
+        self.batch: Batch | None = None
+        self.result: StepResult | None = None
+        self.awake = False  # a step is running or a wake-up is queued
+        self.load = EngineLoad()
+        self.requests = self.tokens = 0  # dispatched and not finished: the router's view
+
+    def view(self) -> WorkerView:
+        return WorkerView(self.idx, self.requests, True, self.tokens)
+
+
+class ClusterSim:
+    """Runs a workload once through a fresh fleet; see ``simulate`` for the one-call form."""
+
+    def __init__(
+        self,
+        config: ClusterConfig,
+        sched_config: SchedulerConfig | None = None,
+        cache_config: CacheConfig | None = None,
+    ) -> None:
+        self.config = config
+        self.sched_config = sched_config or SchedulerConfig()
+        self.cache_config = cache_config or default_cache_config(config)
+        self.now = 0.0
+        cost = get_cost_model(config.preset)
+        self.engines = [
+            _Engine(
+                i,
+                Scheduler(self.sched_config, self.cache_config, clock=self._clock),
+                SimRunner(cost, seed=config.sim_seed),
+            )
+            for i in range(config.engines)
+        ]
+        self._views = [e.view() for e in self.engines]  # kept current as loads change
+        self.policy = create_policy(config.router, config.policy_config(), config.sim_seed)
+        self._events: list[tuple[float, int, int, int]] = []
+        self._seq = 0
+        self._live: dict[str, tuple[Req, _Engine, RequestView]] = {}
+        self._sampling: dict[int, SamplingParams] = {}
+
+    def _clock(self) -> float:
+        return self.now
+
+    def _push(self, t: float, kind: int, payload: int) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (t, kind, self._seq, payload))
+
+    # -- the loop ----------------------------------------------------------------------------
+    def run(
+        self,
+        requests: Sequence[WorkloadRequest],
+        label: str = "",
+        progress: bool = False,
+        block_tokens: int | None = None,
+    ) -> SimResult:
+        """Serve every request; returns the report once the last one has finished. With
+        ``block_tokens`` (trace replay), cached blocks of requests with hash ids are counted."""
+        wall = time.perf_counter()
+        self._block_tokens = block_tokens
+        self._reqs = list(requests)
+        self._index = {r.rid: i for i, r in enumerate(self._reqs)}
+        self._followers = _followers(self._reqs)
+        self._backlog: deque[int] = deque()
+        self._outstanding = 0
+        self._result = SimResult.empty(label, len(self._reqs), self.config.engines)
+        for i, r in enumerate(self._reqs):
+            if r.prev_rid is None or r.prev_rid not in self._index:
+                self._push(r.arrival_s, _ARRIVE, i)
+        show = progress and len(self._reqs) >= PROGRESS_MIN_REQUESTS
+        with tqdm(total=len(self._reqs), desc=label or "sim", unit="req", disable=not show) as bar:
+            self._bar = bar
+            self._loop()
+        res = self._result
+        res.engines = [e.load for e in self.engines]
+        res.wall_s = time.perf_counter() - wall
+        res.num_unfinished = len(self._live) + len(self._backlog)
+        return res
+
+    def _loop(self) -> None:
+        events, engines = self._events, self.engines
+        while events:
+            t, kind, _, payload = heapq.heappop(events)
+            self.now = t
+            if kind == _ARRIVE:
+                self._arrive(payload)
+            elif kind == _DONE:
+                self._complete(engines[payload])
+            else:
+                self._step(engines[payload])
+
+    def _arrive(self, i: int) -> None:
+        limit = self.config.max_concurrency
+        if limit is not None and self._outstanding >= limit:
+            self._backlog.append(i)
+            return
+        self._outstanding += 1
+        self._dispatch(i)
+
+    def _dispatch(self, i: int) -> None:
+        w, now = self._reqs[i], self.now
+        view = RequestView.from_prompt(input_ids=w.input_ids)
+        self.policy.tick(now)
+        pick = self.policy.select(self._views, view, now)
+        eng = self.engines[pick]
+        self.policy.on_dispatch(eng.idx, view, now)
+        req = Req(w.rid, w.input_ids, self._params(w.output_len), arrival_time=now)
+        try:
+            eng.sched.add_request(req)
+        except ValueError:
+            self._result.num_rejected += 1
+            self.policy.on_complete(eng.idx, view, now)
+            self._finished_one(w.rid)
+            return
+        n = len(w.input_ids)
+        eng.load.requests += 1
+        eng.load.prompt_tokens += n
+        eng.requests += 1
+        eng.tokens += n
+        self._views[eng.idx] = eng.view()
+        self._live[w.rid] = (req, eng, view)
+        if not eng.awake:
+            eng.awake = True
+            self._push(now, _WAKE, eng.idx)
+
+    def _params(self, output_len: int) -> SamplingParams:
+        sp = self._sampling.get(output_len)
+        if sp is None:
+            sp = self._sampling[output_len] = SamplingParams(
+                max_new_tokens=output_len, ignore_eos=True
+            )
+        return sp
+
+    def _step(self, eng: _Engine) -> None:
+        batch = eng.sched.step()
+        if batch is None:
+            eng.awake = False
+            return
+        result = eng.runner.run(batch)
+        eng.batch, eng.result = batch, result
+        eng.load.busy_s += result.duration or 0.0
+        eng.load.steps += 1
+        self._push(self.now + (result.duration or 0.0), _DONE, eng.idx)
+
+    def _complete(self, eng: _Engine) -> None:
+        batch, result = eng.batch, eng.result
+        eng.batch = eng.result = None
+        done = 0
+        for out in eng.sched.on_output(batch, result):  # type: ignore[arg-type]
+            if out.finished:
+                self._finish(out.rid)
+                done += 1
+        if done:
+            self._bar.update(done)
+        self._step(eng)
+
+    def _finish(self, rid: str) -> None:
+        req, eng, view = self._live.pop(rid)
+        self._result.record(req)
+        w = self._reqs[self._index[rid]]
+        if self._block_tokens and w.hash_ids:
+            self._result.record_blocks(req, len(w.hash_ids), self._block_tokens)
+        eng.load.cached_tokens += req.cached_tokens
+        eng.requests -= 1
+        eng.tokens -= len(req.input_ids)
+        self._views[eng.idx] = eng.view()
+        self.policy.on_complete(eng.idx, view, self.now)
+        self._finished_one(rid)
+
+    def _finished_one(self, rid: str) -> None:
+        """Free the client's slot and release what waited on this request."""
+        self._outstanding -= 1
+        for j in self._followers.get(rid, ()):
+            # a chat's next turn: the user reads the reply, then thinks before sending
+            think = self._reqs[j].arrival_s - self._reqs[self._index[rid]].arrival_s
+            self._push(self.now + max(think, 0.0), _ARRIVE, j)
+        if self._backlog and (
+            self.config.max_concurrency is None or self._outstanding < self.config.max_concurrency
+        ):
+            self._outstanding += 1
+            self._dispatch(self._backlog.popleft())
+
+    def check_integrity(self) -> None:
+        """Recount every engine's KV accounting and the router's tree."""
+        for eng in self.engines:
+            eng.sched.check_integrity()
+        tree = getattr(self.policy, "tree", None)
+        if tree is not None:
+            tree.check_integrity()
+
+
+def _followers(reqs: Sequence[WorkloadRequest]) -> dict[str, list[int]]:
+    rids = {r.rid for r in reqs}
+    out: dict[str, list[int]] = {}
+    for j, r in enumerate(reqs):
+        if r.prev_rid is not None and r.prev_rid in rids:
+            out.setdefault(r.prev_rid, []).append(j)
+    return out
+
+
+def simulate(
+    requests: Sequence[WorkloadRequest],
+    config: ClusterConfig | None = None,
+    sched_config: SchedulerConfig | None = None,
+    cache_config: CacheConfig | None = None,
+    label: str = "",
+    progress: bool = False,
+    best_hit_rate: float | None = None,
+    block_tokens: int | None = None,
+) -> SimResult:
+    """Run ``requests`` through a fresh simulated fleet and report (see ``ClusterSim.run``)."""
+    sim = ClusterSim(config or ClusterConfig(), sched_config, cache_config)
+    res = sim.run(requests, label, progress, block_tokens)
+    res.best_hit_rate = best_hit_rate
+    return res
+
+
+def best_hit_rate(
+    requests: Iterable[WorkloadRequest],
+    outputs: Callable[[WorkloadRequest], list[int]] | None = None,
+    page_size: int = 1,
+) -> float:
+    """Share of prompt tokens that one unbounded cache would hold, in arrival order: the best
+    any placement can reach. With ``outputs`` (what the engine generates for a request), the
+    computed part of each reply counts as cached too, as in a chat whose history is reused."""
+    seen: list[list[int]] = []  # earlier cached sequences, sorted
+    hit = total = 0
+    for req in sorted(requests, key=lambda r: r.arrival_s):
+        ids = req.input_ids
+        best = max((_common_prefix(ids, s) for s in _neighbours(seen, ids)), default=0)
+        best = min(best, len(ids) - 1)  # an engine computes at least one token of a prompt
+        hit += best - best % page_size
+        total += len(ids)
+        bisect.insort(seen, ids)
+        if outputs is not None:
+            out = outputs(req)
+            if len(out) > 1:
+                bisect.insort(seen, ids + out[:-1])  # the last token's KV is never computed
+    return hit / total if total else 0.0
+
+
+def _neighbours(seen: list[list[int]], ids: list[int]) -> list[list[int]]:
+    # the sequence sharing the longest prefix with ``ids`` is a neighbour in sorted order
+    i = bisect.bisect_left(seen, ids)
+    return [seen[j] for j in (i - 1, i) if 0 <= j < len(seen)]
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:  # binary search on slice equality: the comparisons run in C
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -1,0 +1,230 @@
+"""What one simulated run measured: throughput, cache hit rate, latency percentiles and per-engine
+load; plus the comparison table that several runs print as one."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixserve.sched.request import Req
+
+PERCENTILES = (50, 90, 99)
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) of sorted values, linearly interpolated (nan if empty)."""
+    if not sorted_values:
+        return math.nan
+    pos = (len(sorted_values) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def summarize(values: Sequence[float]) -> dict[str, float]:
+    """Mean and p50/p90/p99 of ``values``."""
+    s = sorted(values)
+    out = {"mean": sum(s) / len(s) if s else math.nan}
+    out.update({f"p{q}": percentile(s, q) for q in PERCENTILES})
+    return out
+
+
+def max_over_mean(values: Sequence[float]) -> float:
+    """How much busier the busiest is than the average (1.0: perfectly even)."""
+    mean = sum(values) / len(values) if values else 0.0
+    return max(values) / mean if mean else 1.0
+
+
+@dataclass(slots=True)
+class EngineLoad:
+    """What one engine was given and did."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    busy_s: float = 0.0  # virtual seconds spent running batches
+    steps: int = 0
+
+
+@dataclass(slots=True)
+class SimResult:
+    label: str
+    num_requests: int
+    engines: list[EngineLoad]
+    num_finished: int = 0
+    num_rejected: int = 0  # could never fit an engine's context or KV pool
+    num_unfinished: int = 0  # must be 0: no request is ever lost
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    first_arrival: float = math.inf
+    last_finish: float = 0.0
+    wall_s: float = 0.0
+    best_hit_rate: float | None = None
+    prompt_blocks: int = 0  # trace replay: hash ids of finished prompts
+    cached_blocks: int = 0  # ... of which the engine had cached
+    ttft: list[float] = field(default_factory=list, repr=False)
+    tpot: list[float] = field(default_factory=list, repr=False)
+    e2e: list[float] = field(default_factory=list, repr=False)
+    wait: list[float] = field(default_factory=list, repr=False)  # arrival -> first scheduled
+
+    @classmethod
+    def empty(cls, label: str, num_requests: int, num_engines: int) -> SimResult:
+        return cls(label, num_requests, [EngineLoad() for _ in range(num_engines)])
+
+    def record(self, req: Req) -> None:
+        """Account a finished request."""
+        arrival = req.arrival_time or 0.0
+        n = len(req.output_ids)
+        self.num_finished += 1
+        self.prompt_tokens += len(req.input_ids)
+        self.cached_tokens += req.cached_tokens
+        self.output_tokens += n
+        self.first_arrival = min(self.first_arrival, arrival)
+        self.last_finish = max(self.last_finish, req.finish_time or 0.0)
+        first = req.first_token_time or arrival
+        self.ttft.append(first - arrival)
+        self.e2e.append((req.finish_time or first) - arrival)
+        self.wait.append((req.first_scheduled_time or first) - arrival)
+        if n > 1:
+            self.tpot.append(((req.finish_time or first) - first) / (n - 1))
+
+    # -- derived -----------------------------------------------------------------------------
+    @property
+    def duration_s(self) -> float:
+        """Virtual seconds from the first arrival to the last finish."""
+        return max(self.last_finish - self.first_arrival, 0.0) if self.num_finished else 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def block_hit_rate(self) -> float | None:
+        """Trace replay: share of prompt blocks (hash ids) served from the cache."""
+        return self.cached_blocks / self.prompt_blocks if self.prompt_blocks else None
+
+    def record_blocks(self, req: Req, num_blocks: int, block_tokens: int) -> None:
+        """Count a trace request's cached blocks: whole blocks within its cached prefix (a
+        prompt cached whole but the one token an engine must compute counts whole)."""
+        cached = req.cached_tokens
+        whole = cached >= len(req.input_ids) - 1
+        self.prompt_blocks += num_blocks
+        self.cached_blocks += num_blocks if whole else min(cached // block_tokens, num_blocks)
+
+    @property
+    def output_throughput(self) -> float:
+        return self.output_tokens / self.duration_s if self.duration_s else 0.0
+
+    @property
+    def total_throughput(self) -> float:
+        tokens = self.output_tokens + self.prompt_tokens
+        return tokens / self.duration_s if self.duration_s else 0.0
+
+    @property
+    def sim_requests_per_min(self) -> float:
+        """Simulation speed: requests simulated per minute of wall time."""
+        return 60 * self.num_requests / self.wall_s if self.wall_s else math.inf
+
+    def imbalance(self) -> dict[str, float]:
+        """Busiest engine over the mean, by requests, prompt tokens and busy time."""
+        return {
+            "requests": max_over_mean([e.requests for e in self.engines]),
+            "prompt_tokens": max_over_mean([e.prompt_tokens for e in self.engines]),
+            "busy_s": max_over_mean([e.busy_s for e in self.engines]),
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "label": self.label,
+            "num_requests": self.num_requests,
+            "num_finished": self.num_finished,
+            "num_rejected": self.num_rejected,
+            "num_unfinished": self.num_unfinished,
+            "duration_s": self.duration_s,
+            "output_throughput": self.output_throughput,
+            "total_throughput": self.total_throughput,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "output_tokens": self.output_tokens,
+            "hit_rate": self.hit_rate,
+            "best_hit_rate": self.best_hit_rate,
+            "block_hit_rate": self.block_hit_rate,
+            "ttft_s": summarize(self.ttft),
+            "tpot_s": summarize(self.tpot),
+            "e2e_s": summarize(self.e2e),
+            "wait_s": summarize(self.wait),
+            "imbalance": self.imbalance(),
+            "engines": [
+                {
+                    "requests": e.requests,
+                    "prompt_tokens": e.prompt_tokens,
+                    "cached_tokens": e.cached_tokens,
+                    "busy_s": e.busy_s,
+                    "steps": e.steps,
+                }
+                for e in self.engines
+            ],
+            "wall_s": self.wall_s,
+            "sim_requests_per_min": self.sim_requests_per_min,
+        }
+
+
+# -- the comparison table ---------------------------------------------------------------------
+
+_COLUMNS: list[tuple[str, str]] = [
+    ("policy", "{}"),
+    ("out tok/s", "{:,.0f}"),
+    ("tot tok/s", "{:,.0f}"),
+    ("hit", "{:.1%}"),
+    ("best", "{}"),
+    ("TTFT p50/p90/p99 s", "{}"),
+    ("TPOT p50/p99 ms", "{}"),
+    ("e2e p50/p90/p99 s", "{}"),
+    ("wait p99 s", "{:.2f}"),
+    ("max/mean req", "{:.2f}"),
+    ("max/mean busy", "{:.2f}"),
+    ("done", "{}"),
+]
+
+
+def _row(r: SimResult) -> list[str]:
+    t, p, e = summarize(r.ttft), summarize(r.tpot), summarize(r.e2e)
+    imb = r.imbalance()
+    best = "-" if r.best_hit_rate is None else f"{r.best_hit_rate:.1%}"
+    cells = [
+        r.label,
+        r.output_throughput,
+        r.total_throughput,
+        r.hit_rate,
+        best,
+        f"{t['p50']:.2f}/{t['p90']:.2f}/{t['p99']:.2f}",
+        f"{1e3 * p['p50']:.1f}/{1e3 * p['p99']:.1f}",
+        f"{e['p50']:.2f}/{e['p90']:.2f}/{e['p99']:.2f}",
+        summarize(r.wait)["p99"],
+        imb["requests"],
+        imb["busy_s"],
+        f"{r.num_finished}/{r.num_requests}",
+    ]
+    return [fmt.format(c) for (_, fmt), c in zip(_COLUMNS, cells)]
+
+
+def format_table(results: Sequence[SimResult]) -> str:
+    """One row per run; the first row is the baseline that ratios are taken against."""
+    rows = [[name for name, _ in _COLUMNS]] + [_row(r) for r in results]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [
+        "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        for row in rows
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    if len(results) > 1 and results[0].output_throughput:
+        base = results[0]
+        for r in results[1:]:
+            lines.append(
+                f"{r.label} vs {base.label}: throughput x{r.output_throughput / base.output_throughput:.2f}, "
+                f"hit rate {base.hit_rate:.1%} -> {r.hit_rate:.1%}"
+            )
+    return "\n".join(lines)
