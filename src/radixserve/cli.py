@@ -16,6 +16,7 @@ SUBCOMMANDS: dict[str, str] = {
     "serve": "radixserve.server.cli",
     "route": "radixserve.router.cli",
     "sim": "radixserve.sim.cli",
+    "bench": "radixserve.bench.cli",
 }
 
 
