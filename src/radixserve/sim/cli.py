@@ -45,6 +45,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
             action.choices = sorted(POLICIES)
         if action.dest == "max_total_tokens":
             action.default = None
+        if action.dest == "max_wait_ms":
+            action.type, action.metavar = _ms_or_none, "MS"
     out = parser.add_argument_group("output")
     out.add_argument("--json", metavar="PATH", help="write the results as JSON")
     out.add_argument("--plot", metavar="PNG", help="plot the comparison (needs matplotlib)")
@@ -53,6 +55,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     parser.set_defaults(run=run)
     return parser
+
+
+def _ms_or_none(text: str) -> float | None:
+    """``--max-wait-ms none`` sweeps the unbounded case beside bounded ones."""
+    return None if text.lower() == "none" else float(text)
 
 
 def _runs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
@@ -68,7 +75,9 @@ def _runs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
 
 
 def _label(key: str, value: Any) -> str:
-    return f"wait={value}ms" if key == "max_wait_ms" else str(value)
+    if key == "max_wait_ms":
+        return "wait=none" if value is None else f"wait={value:g}ms"
+    return str(value)
 
 
 def run(args: argparse.Namespace) -> int:
