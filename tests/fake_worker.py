@@ -3,8 +3,8 @@ Run `python tests/fake_worker.py --port 0`; it prints `READY <port>` once it lis
 
 It answers instantly (or after `--token-delay-ms` per generated token, streamed or not) and
 keeps a toy prefix cache (chained hashes of 64-character blocks, LRU beyond `--cache-chars`) so
-that it can report the hit rate a real engine with that much KV cache would see. Test hooks: POST /fake/fail {"count": n, "status": 500} fails the next n generation
-requests; POST /fake/health {"ok": false} makes /health answer 503.
+that it can report the hit rate a real engine with that much KV cache would see. Test hooks: POST /fake/fail {"count": n, "status": 500, "chunked": false} fails the next n
+generation requests (with a chunked body if asked, as a failing stream would); POST /fake/health {"ok": false} makes /health answer 503.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class FakeEngine:
         self.capacity = cache_chars // BLOCK if cache_chars > 0 else 2_000_000
         self.blocks: OrderedDict[int, None] = OrderedDict()
         self.prompt_chars = self.cached_chars = self.requests = self.in_flight = 0
-        self.fail_count, self.fail_status, self.healthy = 0, 500, True
+        self.fail_count, self.fail_status, self.fail_chunked, self.healthy = 0, 500, False, True
 
     def prompt_of(self, path: str, req: dict) -> str:
         if path == "/v1/chat/completions":
@@ -146,6 +146,7 @@ class WorkerConn(asyncio.Protocol):
         if path == "/fake/fail":
             req = json.loads(body)
             eng.fail_count, eng.fail_status = req.get("count", 1), req.get("status", 500)
+            eng.fail_chunked = req.get("chunked", False)
             return 200, {}
         if path == "/fake/health":
             eng.healthy = json.loads(body).get("ok", True)
@@ -157,7 +158,8 @@ class WorkerConn(asyncio.Protocol):
         eng.requests += 1
         if eng.fail_count > 0:
             eng.fail_count -= 1
-            return self.reply(eng.fail_status, {"error": {"message": "injected failure"}})
+            error = {"error": {"message": "injected failure"}}
+            return self.reply(eng.fail_status, error, chunked=eng.fail_chunked)
         try:
             req = json.loads(body)
             prompt = eng.prompt_of(path, req)
@@ -212,8 +214,13 @@ class WorkerConn(asyncio.Protocol):
         if self.transport is not None:
             self.transport.write(data)
 
-    def reply(self, status: int, obj: dict) -> None:
+    def reply(self, status: int, obj: dict, chunked: bool = False) -> None:
         data = json.dumps(obj).encode()
+        if chunked:
+            head = b"HTTP/1.1 %d X\r\nContent-Type: application/json\r\n"
+            self.write(head % status + b"Transfer-Encoding: chunked\r\n\r\n")
+            self.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(data), data))
+            return
         head = b"HTTP/1.1 %d X\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
         self.write(head % (status, len(data)) + data)
 

@@ -198,7 +198,12 @@ def test_api_key_and_admin_key(workers, make_router):
     assert call("GET", r.addr, "/workers", None, user)[0] == 401
     assert call("GET", r.addr, "/workers", None, admin)[0] == 200
     assert call("POST", r.addr, "/flush_cache", None, user)[0] == 401
+    assert call("POST", r.addr, "/generate", {"text": "a"}, admin)[0] == 401  # separate keys
     assert call("GET", r.addr, "/health")[0] == 200  # probes need no key
+    assert call("GET", r.addr, "/metrics")[0] == 200
+    one = make_router([workers[0].url], api_key="only")  # the admin key defaults to it
+    assert call("GET", one.addr, "/workers")[0] == 401
+    assert call("GET", one.addr, "/workers", None, {"Authorization": "Bearer only"})[0] == 200
 
 
 def test_payload_size_limit(workers, make_router):
@@ -278,6 +283,34 @@ def test_flush_cache_and_metrics(workers, make_router):
     assert 'radixserve_router_requests_total{worker="http' in text
     assert "radixserve_router_decision_seconds_count 2" in text
     assert "radixserve_router_expected_hit_rate" in text
+
+
+def test_metrics_count_per_worker_and_expected_hits(workers, make_router):
+    r = make_router([w.url for w in workers[:2]], retry_backoff_ms=1)
+    prefix = "a long shared system prompt " * 20
+    home = generate(r.addr, prefix + "0")[1]["meta_info"]["worker"]
+    for i in range(1, 4):
+        assert generate(r.addr, prefix + str(i))[1]["meta_info"]["worker"] == home
+    holder = next(w for w in workers if w.name == home)
+    holder.post("/fake/fail", {"count": 1, "status": 500})
+    generate(r.addr, prefix + "4")  # fails on its home, served by the other worker
+    m = dict(
+        line.rsplit(" ", 1) for line in call("GET", r.addr, "/metrics")[1].splitlines()
+        if not line.startswith("#")
+    )  # fmt: skip
+    other = next(w for w in workers[:2] if w is not holder)
+    name = 'radixserve_router_{}{{worker="{}"}}'.format
+    assert m[name("requests_total", holder.url)] == "5"
+    assert m[name("errors_total", holder.url)] == "1" and m[name("errors_total", other.url)] == "0"
+    assert m["radixserve_router_retries_total"] == "1"
+    assert int(m[name("tree_size_units", holder.url)]) >= len(prefix) // 8
+    assert (
+        float(m["radixserve_router_expected_hit_rate"]) > 0.5
+    )  # 4 of 6 dispatches hit (the retry missed)
+    assert m["radixserve_router_decision_seconds_count"] == "6"  # 5 requests, 1 retry
+    assert call("POST", r.addr, "/flush_cache")[0] == 200
+    text = call("GET", r.addr, "/metrics")[1]
+    assert f'radixserve_router_tree_size_units{{worker="{holder.url}"}} 0' in text
 
 
 def test_request_key_and_namespace():

@@ -127,6 +127,42 @@ def test_cache_aware_namespaces_do_not_share_hits() -> None:
     assert policy.select(views(0, 0, 0), other, now=1.0) == 0
     ids = RequestView.from_prompt(text, input_ids=list(range(100)), model="m", lora="a")
     assert policy.select(views(0, 0, 0), ids, now=1.0) == 2
+    salted = RequestView.from_prompt(text + "y", model="m", lora="a", cache_salt="user-2")
+    assert policy.select(views(0, 0, 0), salted, now=1.0) == 2
+
+
+@pytest.mark.parametrize(("threshold", "holder_wins"), [(0.3, True), (0.5, False)])
+def test_cache_threshold_decides_between_the_holder_and_placement(threshold, holder_wins) -> None:
+    policy = CacheAwarePolicy(
+        CachePolicyConfig(eviction_interval_secs=0, cache_threshold=threshold)
+    )
+    policy.on_dispatch("w0", RequestView.from_prompt("s" * 400), now=0.0)
+    policy.on_dispatch("w1", RequestView.from_prompt("t" * 40), now=0.0)
+    partly_held = RequestView.from_prompt("s" * 160 + "u" * 240)  # w0 holds 40% of it
+    assert policy.select(views(0, 0, 0), partly_held, now=1.0) == (0 if holder_wins else 2)
+
+
+@pytest.mark.parametrize(
+    ("abs_threshold", "rel_threshold", "holder_load", "stays"),
+    [
+        (32, 1.0001, 40, True),  # 30 above the floor: inside the absolute band
+        (32, 1.0001, 50, False),  # beyond both bands: overloaded
+        (100, 1.0001, 90, True),  # a wider absolute band tolerates it
+        (32, 10.0, 90, True),  # 9x the floor is inside a 10x relative band
+    ],
+)
+def test_balance_thresholds_bound_what_locality_may_cost(
+    abs_threshold, rel_threshold, holder_load, stays
+) -> None:
+    config = CachePolicyConfig(
+        eviction_interval_secs=0,
+        balance_abs_threshold=abs_threshold,
+        balance_rel_threshold=rel_threshold,
+    )
+    policy = CacheAwarePolicy(config)
+    policy.on_dispatch("w0", RequestView.from_prompt("h" * 400), now=0.0)
+    ask = RequestView.from_prompt("h" * 400 + "more")
+    assert (policy.select(views(holder_load, 10), ask, now=1.0) == 0) == stays
 
 
 def test_cache_aware_miss_goes_to_the_smallest_tree() -> None:
