@@ -17,6 +17,7 @@ from radixserve.sim.costmodel import get_cost_model
 from radixserve.sim.report import SimResult, format_table
 from radixserve.sim.runner import SimRunner
 from radixserve.sim.workload_args import add_workload_args, make_requests
+from radixserve.sim.workloads import block_hit_rate
 
 # flags that take several values: every combination is one run of the comparison
 _SWEPT = {"router": "cache_aware", "schedule_policy": "lpm", "max_wait_ms": None}
@@ -101,6 +102,7 @@ def _run(args: argparse.Namespace) -> int:
     outputs = (lambda r: runner.generate(r.input_ids, r.output_len)) if chat else None
     best = best_hit_rate(requests, outputs, cache.page_size)
     print(_header(args.workload, workload, cluster, cache, requests, best))
+    block_tokens = workload.block_tokens if args.workload == "trace" else None
     results = []
     for label, over in _runs(args):
         sched = dataclasses.replace(
@@ -109,9 +111,13 @@ def _run(args: argparse.Namespace) -> int:
             max_wait_ms=over["max_wait_ms"],
         )
         config = dataclasses.replace(cluster, router=over["router"])
-        res = simulate(requests, config, sched, cache, label, args.progress, best)
+        res = simulate(requests, config, sched, cache, label, args.progress, best, block_tokens)
         results.append(res)
     print(format_table(results))
+    if block_tokens:
+        ideal = block_hit_rate(requests)
+        for r in results:
+            print(f"{r.label}: {r.block_hit_rate:.1%} of prompt blocks hit (best {ideal:.1%})")
     print(_speed(results))
     if args.json:
         _write_json(args.json, args.workload, workload, cluster, cache, results)
