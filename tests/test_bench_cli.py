@@ -64,6 +64,8 @@ def test_every_request_completes_and_is_timed(
     assert 0 < s["ttft_ms"]["p50"] <= s["e2e_ms"]["p50"] and s["itl_ms"]["p50"] >= 0
     assert s["cache_hit_rate"] is None  # the fake worker reports no cached tokens
     assert all(len(r["itl"]) == 4 for r in doc["requests"])
+    if backend.startswith("openai"):  # the name OpenAI servers check comes from /v1/models
+        assert doc["target"]["model"] == "fake-model"
 
 
 def test_closed_loop_keeps_at_most_n_requests_in_flight(worker: str) -> None:

@@ -44,7 +44,7 @@ class OpenAICompletions(Backend):
 
     def body(self, prompt: str, max_tokens: int, model: str | None) -> dict[str, Any]:
         return {
-            "model": model or "default",
+            "model": model or "default",  # servers that serve one model ignore the name
             "prompt": prompt,
             "max_tokens": max_tokens,
             "temperature": 0.0,

@@ -12,7 +12,7 @@ import sys
 from radixserve.bench.backends import BACKENDS
 from radixserve.bench.loadgen import LoadConfig, run_load
 from radixserve.bench.report import format_summary, plot_records, summarize
-from radixserve.sim.workload_args import add_workload_args, make_requests
+from radixserve.sim.workload_args import add_workload_args, finite, make_requests
 from radixserve.sim.workloads import ideal_prefix_hit_rate
 
 
@@ -90,14 +90,14 @@ def _run(args: argparse.Namespace) -> int:
     if args.json:
         doc = {
             "workload": {"name": args.workload, **dataclasses.asdict(workload)},
-            "target": {"base_url": args.base_url, "backend": args.backend, "model": args.model},
+            "target": {"base_url": args.base_url, "backend": args.backend, "model": cfg.model},
             "max_concurrency": args.max_concurrency,
             "best_hit_rate": best,
             "summary": summary,
             "requests": [dataclasses.asdict(r) for r in records],
         }
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=2, default=str)
+            json.dump(finite(doc), f, indent=2, default=str)
         print(f"json: {args.json}")
     if args.plot:
         plot_records(records, args.plot, title=f"{args.workload} against {args.base_url}")

@@ -64,7 +64,18 @@ async def run_load(requests: Sequence[WorkloadRequest], cfg: LoadConfig) -> list
     async with httpx.AsyncClient(
         base_url=cfg.base_url, timeout=cfg.timeout_s, limits=limits, headers=headers
     ) as client:
+        if cfg.model is None and cfg.backend.path.startswith("/v1/"):
+            cfg.model = await served_model(client)
         return await _Run(client, requests, cfg).all()
+
+
+async def served_model(client: Any) -> str | None:
+    """The first model that /v1/models lists (OpenAI servers check the name), else None."""
+    try:
+        resp = await client.get("/v1/models")
+        return resp.json()["data"][0]["id"]
+    except Exception:  # noqa: BLE001 - no listing: send no name and let the server decide
+        return None
 
 
 class _Run:

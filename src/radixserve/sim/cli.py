@@ -16,7 +16,7 @@ from radixserve.sim.cluster import ClusterConfig, best_hit_rate, simulate
 from radixserve.sim.costmodel import get_cost_model
 from radixserve.sim.report import SimResult, format_table
 from radixserve.sim.runner import SimRunner
-from radixserve.sim.workload_args import add_workload_args, make_requests
+from radixserve.sim.workload_args import add_workload_args, finite, make_requests
 from radixserve.sim.workloads import block_hit_rate
 
 # flags that take several values: every combination is one run of the comparison
@@ -173,5 +173,5 @@ def _write_json(
         "results": [r.to_dict() for r in results],
     }
     with open(path, "w", encoding="utf-8") as f:
-        json.dump(doc, f, indent=2, default=str)
+        json.dump(finite(doc), f, indent=2, default=str)
     print(f"json: {path}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Callable
@@ -82,3 +83,14 @@ def make_requests(
         chat: Callable[..., list[WorkloadRequest]] = multi_turn_chat
         return config, chat(config, reply_fn)
     return config, generate(config)
+
+
+def finite(obj: Any) -> Any:
+    """``obj`` with every inf or nan float written as a string, so the JSON is strict."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj
