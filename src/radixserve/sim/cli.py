@@ -13,7 +13,7 @@ from typing import Any
 from radixserve.config import CacheConfig, SchedulerConfig, add_dataclass_args, from_args
 from radixserve.router.policies import POLICIES
 from radixserve.sim.cluster import ClusterConfig, best_hit_rate, simulate
-from radixserve.sim.costmodel import get_cost_model
+from radixserve.sim.costmodel import COST_MODELS, get_cost_model
 from radixserve.sim.report import SimResult, format_table
 from radixserve.sim.runner import SimRunner
 from radixserve.sim.workload_args import add_workload_args, finite, make_requests
@@ -44,6 +44,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
             action.nargs, action.default = "+", [_SWEPT[action.dest]]
         if action.dest == "router":
             action.choices = sorted(POLICIES)
+        if action.dest == "preset":
+            action.choices = sorted(COST_MODELS)
         if action.dest == "max_total_tokens":
             action.default = None
         if action.dest == "max_wait_ms":

@@ -59,7 +59,7 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
         if tp is bool:
             group.add_argument(*flags, action=argparse.BooleanOptionalAction, **kw)
         else:
-            group.add_argument(*flags, type=tp, **kw)
+            group.add_argument(*flags, type=tp, metavar=name.upper(), **kw)
 
 
 def workload_options(args: argparse.Namespace) -> dict[str, Any]:
