@@ -74,6 +74,10 @@ class ServerProcess:
     def output(self) -> str:
         return "".join(self.lines[-200:])
 
+    def errors(self, since: int = 0) -> list[str]:
+        """Lines the server logged at ERROR (or tracebacks) from line ``since`` on."""
+        return [s for s in self.lines[since:] if " ERROR " in s or s.startswith("Traceback")]
+
     @property
     def pid(self) -> int:
         return self.proc.pid

@@ -12,7 +12,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from radixserve import __version__
 from radixserve.engine.launch import EngineProcesses
@@ -22,6 +22,7 @@ from radixserve.server.config import ServerConfig
 from radixserve.server.errors import ApiError, install_handlers
 from radixserve.server.metrics import CONTENT_TYPE, stats_dict
 from radixserve.server.protocol import add_body_schemas
+from radixserve.server.responses import JSONBody
 from radixserve.server.routes import inference_routes
 from radixserve.server.state import ServerState
 
@@ -40,7 +41,8 @@ def create_app(config: ServerConfig, engine: EngineProcesses) -> FastAPI:
         finally:
             await state.tm.close()
 
-    app = FastAPI(title="radixserve", version=__version__, lifespan=lifespan)
+    app = FastAPI(title="radixserve", version=__version__, lifespan=lifespan,
+                  default_response_class=JSONBody)  # fmt: skip
     app.state.server = state
     install_handlers(app)
     app.include_router(inference_routes(state))
@@ -138,7 +140,7 @@ def _admin_routes(state: ServerState) -> APIRouter:
         }  # fmt: skip
 
     @router.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache() -> JSONResponse:
+    async def flush_cache() -> JSONBody:
         try:
             flushed = await state.tm.control("flush_cache", timeout=STATS_TIMEOUT_S)
         except asyncio.TimeoutError as e:
@@ -146,7 +148,7 @@ def _admin_routes(state: ServerState) -> APIRouter:
         if not flushed:
             raise ApiError(409, "requests are running or waiting; the prefix cache can only be "
                            "flushed while the engine is idle", "engine_busy")  # fmt: skip
-        return JSONResponse({"success": True, "message": "Cache flushed."})
+        return JSONBody({"success": True, "message": "Cache flushed."})
 
     return router
 

@@ -8,15 +8,21 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from radixserve.engine.tokenizer_manager import EngineDeadError, RequestError
+from radixserve.server.responses import JSONBody
 
 log = logging.getLogger("radixserve.server")
 
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer
 _TYPES = {401: "authentication_error", 404: "not_found_error", 503: "service_unavailable"}
+
+
+class ClientGone(Exception):
+    """The client disconnected before its response was ready."""
 
 
 class ApiError(Exception):
@@ -62,7 +68,7 @@ class ApiError(Exception):
 
     def response(self) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        return JSONBody(self.body(), status_code=self.status, headers=headers)
 
 
 def _common_prefix(paths: list[list[str]]) -> list[str]:
@@ -103,6 +109,11 @@ def install_handlers(app: FastAPI) -> None:
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "invalid_value")
         return ApiError(e.status_code, str(e.detail), code).response()
 
+    async def on_gone(request: Request, _: Exception) -> Response:
+        # nobody reads this answer; its generations were aborted when the client went away
+        log.debug("client left %s %s before its answer", request.method, request.url.path)
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+
     async def on_bug(request: Request, e: Exception) -> JSONResponse:
         log.exception("internal error on %s %s", request.method, request.url.path)
         return ApiError(500, f"internal error: {type(e).__name__}", "internal_error").response()
@@ -113,4 +124,5 @@ def install_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(ValidationError, on_validation)
     app.add_exception_handler(HTTPException, on_http)
+    app.add_exception_handler(ClientGone, on_gone)
     app.add_exception_handler(Exception, on_bug)

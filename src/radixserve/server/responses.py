@@ -9,13 +9,32 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from fastapi.responses import JSONResponse
+
 from radixserve.engine.messages import TextOut
 
 DONE = b"data: [DONE]\n\n"
+SEP = (",", ":")
+
+
+def dumps(payload: Any) -> bytes:
+    """JSON in UTF-8. A string from a client (a rid, a stop string) may hold a lone surrogate,
+    which UTF-8 cannot carry: then every non-ASCII character is escaped instead."""
+    try:
+        return json.dumps(payload, ensure_ascii=False, allow_nan=False, separators=SEP).encode()
+    except UnicodeEncodeError:
+        return json.dumps(payload, allow_nan=False, separators=SEP).encode()
 
 
 def sse(payload: Any) -> bytes:
-    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+    return b"data: " + dumps(payload) + b"\n\n"
+
+
+class JSONBody(JSONResponse):
+    """The server's JSON responses, encoded by ``dumps``."""
+
+    def render(self, content: Any) -> bytes:
+        return dumps(content)
 
 
 @dataclass(slots=True)

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 from fastapi import APIRouter, Depends
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.requests import Request
 
 from radixserve.engine.messages import TextOut
@@ -23,7 +23,7 @@ from radixserve.server.protocol import (
     GenerateSampling,
     openapi_body,
 )
-from radixserve.server.responses import DONE, Choice, Head, generate_body, sse
+from radixserve.server.responses import DONE, Choice, Head, JSONBody, generate_body, sse
 from radixserve.server.state import ServerState, read_json
 from radixserve.server.streams import Generation, unless_disconnected
 
@@ -109,7 +109,7 @@ async def _openai(
     gen = state.start(inputs, start)
     if body.stream:
         return await _stream(request, gen, _openai_events(gen, head, body))
-    return JSONResponse(head.body(await _collect(request, gen), body.n))
+    return JSONBody(head.body(await _collect(request, gen), body.n))
 
 
 def _openai_events(
@@ -176,7 +176,7 @@ async def _generate(
         return await _stream(request, gen, _events(gen, render, [], list))
     choices = await _collect(request, gen)
     out = [generate_body(c, True) for c in choices] if batch else generate_body(choices[0], False)
-    return JSONResponse(out)
+    return JSONBody(out)
 
 
 def _generate_prompts(body: GenerateRequest) -> tuple[list[GenerateInput], bool, str]:

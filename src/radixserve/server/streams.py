@@ -11,15 +11,12 @@ from starlette.requests import Request
 
 from radixserve.engine.messages import TextOut
 from radixserve.engine.tokenizer_manager import GenerateInput, TokenizerManager
+from radixserve.server.errors import ClientGone
 from radixserve.server.metrics import RequestTrack
 from radixserve.server.responses import Choice
 
 T = TypeVar("T")
 _END = object()
-
-
-class ClientGone(Exception):
-    """The client disconnected before its response was ready."""
 
 
 class Generation:
