@@ -53,10 +53,10 @@ def build_prompts(tokenizer) -> list[list[int]]:
     return prompts
 
 
-def run_radixserve(prompts: list[list[int]], policy: str, repeats: int) -> dict:
+def run_radixserve(prompts: list[list[int]], policy: str, repeats: int, threads: int) -> dict:
     sampling = {"max_new_tokens": OUTPUT_TOKENS, "temperature": 0.0, "ignore_eos": True}
     times, hit, outs = [], 0.0, None
-    with Engine(schedule_policy=policy, max_total_tokens=32768) as engine:
+    with Engine(schedule_policy=policy, max_total_tokens=32768, num_threads=threads) as engine:
         engine.generate(input_ids=[1, 2, 3, 4], sampling_params=sampling)  # warm up
         for _ in range(repeats):
             assert engine.flush_cache()
@@ -94,6 +94,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--policies", nargs="+", default=["fcfs", "lpm"])
+    ap.add_argument("--num-threads", type=int, default=0, help="radixserve's torch threads")
     ap.add_argument("--skip-hf", action="store_true", help="skip the transformers baseline")
     args = ap.parse_args()
 
@@ -110,7 +111,9 @@ def main() -> None:
     if not args.skip_hf:
         rows["transformers generate"] = run_transformers(prompts, args.repeats)
     for policy in args.policies:
-        rows[f"radixserve {policy}"] = run_radixserve(prompts, policy, args.repeats)
+        rows[f"radixserve {policy}"] = run_radixserve(
+            prompts, policy, args.repeats, args.num_threads
+        )
     base = rows.get("transformers generate")
     print(f"{'system':<24}{'req/s':>8}{'out tok/s':>11}{'hit rate':>10}{'vs HF':>8}{'same':>7}")
     for name, r in rows.items():

@@ -78,6 +78,7 @@ class ModelConfig:
         "~/.cache/radixserve", "where a .gguf model is converted (dequantized) once, and reused"
     )
     sampling_seed: int = _f(0, "seed of the sampler for requests that carry no seed of their own")
+    num_threads: int = _f(0, "torch CPU threads of the model (0: torch's default, one per core)")
 
 
 def _base_type(tp: Any) -> Any:

@@ -28,6 +28,8 @@ class TorchRunner:
 
     def __init__(self, model_config: ModelConfig, num_slots: int) -> None:
         self.config = model_config
+        if model_config.num_threads > 0:
+            torch.set_num_threads(model_config.num_threads)
         self.device = torch.device(model_config.device)
         self.dtype = DTYPES[model_config.dtype]
         model_dir = resolve_model_dir(model_config)
