@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -113,7 +114,7 @@ def load_model_info(model_dir: str | Path, context_length: int | None = None) ->
         eos_token_ids=eos,
         bos_token_id=bos,
         chat_template=_chat_template(root, tok_config),
-        name=root.name,
+        name=re.sub(r"-[0-9a-f]{16}$", "", root.name),  # a converted GGUF's cache-key suffix
     )
 
 
