@@ -225,6 +225,30 @@ def test_a_client_that_disconnects_frees_its_kv(tiny_server, stream):
     assert not tiny_server.errors(log_mark)  # a client leaving is no server error
 
 
+def _leave(server: ServerProcess, i: int) -> None:
+    """Send a long request and leave at once (body still unread, or prefilling), or, for a
+    stream, after its first bytes."""
+    stream = i % 2 == 0
+    body = json.dumps({"text": f"client {i} leaves", "stream": stream,
+                       "sampling_params": {**SAMPLING, "max_new_tokens": 100}}).encode()  # fmt: skip
+    sock = socket.create_connection((server.host, server.port), timeout=30)
+    sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                 % (len(body), body))  # fmt: skip
+    if stream:
+        sock.recv(100)
+    sock.close()
+
+
+def test_many_clients_leaving_at_once_leave_nothing_behind(tiny_server):
+    log_mark = len(tiny_server.lines)
+    with ThreadPoolExecutor(24) as pool:
+        list(pool.map(lambda i: _leave(tiny_server, i), range(24)))
+    st = tiny_server.wait_idle()
+    assert st["kv_usage"] == 0.0, st
+    assert not tiny_server.errors(log_mark)
+    assert generate(tiny_server, text=PROMPT)["meta_info"]["completion_tokens"] == MAX_NEW
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_a_rid_utf8_cannot_carry_comes_back_escaped(tiny_server, stream):
     rid = f"lone-\ud800-surrogate-{stream}"  # valid JSON ("\ud800"), but no UTF-8 for it

@@ -11,6 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from radixserve.engine.tokenizer_manager import EngineDeadError, RequestError
 from radixserve.server.responses import JSONBody
@@ -125,4 +126,5 @@ def install_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ValidationError, on_validation)
     app.add_exception_handler(HTTPException, on_http)
     app.add_exception_handler(ClientGone, on_gone)
+    app.add_exception_handler(ClientDisconnect, on_gone)  # gone while its body was read
     app.add_exception_handler(Exception, on_bug)
