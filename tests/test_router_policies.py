@@ -182,9 +182,9 @@ def test_removed_worker_is_forgotten() -> None:
 
 
 def test_eviction_runs_on_the_interval_and_zero_disables_it() -> None:
-    config = CachePolicyConfig(eviction_interval_secs=10, max_tree_size=100)
+    config = CachePolicyConfig(eviction_interval_secs=10, max_tree_size=220)
     policy = CacheAwarePolicy(config)
-    for i in range(2):  # 50 units each: at the cap, not over it
+    for i in range(2):  # 50 units and a node (60) each: at the cap, not over it
         policy.on_dispatch("w0", RequestView.from_prompt(f"{i}" * 400), now=float(i))
     assert policy.tree_size()["w0"] == 100
     policy.tick(now=100.0)
@@ -202,10 +202,11 @@ def test_eviction_runs_on_the_interval_and_zero_disables_it() -> None:
 
 def test_tree_size_cap_holds_between_ticks() -> None:
     # However fast requests come, no worker's tree outgrows the cap before the next tick.
-    policy = CacheAwarePolicy(CachePolicyConfig(eviction_interval_secs=60, max_tree_size=400))
+    # A prompt of 50 units costs 110 with its node: the cap holds 7 of them per worker.
+    policy = CacheAwarePolicy(CachePolicyConfig(eviction_interval_secs=60, max_tree_size=800))
     for i in range(200):
         policy.on_dispatch(f"w{i % 2}", RequestView.from_prompt(f"{i:04d}" * 100), now=i / 1e3)
-        assert max(policy.tree_size().values()) <= 400
+        assert max(policy.tree.cost(w) for w in ("w0", "w1")) <= 800
     assert min(policy.tree_size().values()) >= 300  # trimmed to 7/8 of the cap, not emptied
     latest = RequestView.from_prompt("0199" * 100)
     assert policy.tree.prefix_match_tenant(latest.key, "w1", latest.namespace) == 50  # LRU kept

@@ -60,6 +60,28 @@ def test_eviction_drops_least_recently_used_leaves_first() -> None:
     tree.check_integrity()
 
 
+def test_node_units_make_eviction_bound_memory_not_only_key_bytes() -> None:
+    tree = MultiTenantTree(node_units=10)
+    for i in range(1, 9):  # 8 short keys under one shared unit: 1 + 8 nodes, 9 units
+        tree.insert(key_of(7, i), "a", now=float(i))
+    assert (tree.size("a"), tree.cost("a")) == (9, 9 + 90)
+    tree.insert(key_of(7, 1, 5), "b", now=9.0)  # splits nothing new for a
+    assert tree.evict_tenant_by_size(50) == 5  # five oldest leaves: 45 units of cost each 11
+    assert tree.cost("a") <= 50 and tree.prefix_match_tenant(key_of(7, 8), "a") == 2
+    assert tree.prefix_match_tenant(key_of(7, 1), "a") == 1  # its oldest leaf went first
+    tree.check_integrity()
+
+
+def test_eviction_under_a_node_with_many_children() -> None:
+    tree = MultiTenantTree()
+    for i in range(20_000):  # one shared system prompt, 20,000 distinct continuations
+        tree.insert(key_of(1, 2, i + 10), "a", now=float(i))
+    assert tree.evict_tenant_by_size(2 + 10_000) == 10_000  # children counted once, not rescanned
+    assert tree.prefix_match_tenant(key_of(1, 2, 10), "a") == 2
+    assert tree.prefix_match_tenant(key_of(1, 2, 20_009), "a") == 3
+    tree.check_integrity()
+
+
 def test_remove_tenant_forgets_it_and_prunes_nodes() -> None:
     tree = MultiTenantTree()
     tree.insert(key_of(1, 2), "a", now=1.0)

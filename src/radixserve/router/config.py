@@ -50,7 +50,8 @@ class RouterConfig:
         _POLICY.eviction_interval_secs, "cache_aware: seconds between tree evictions (0: never)"
     )
     max_tree_size: int = _f(
-        _POLICY.max_tree_size, "cache_aware: units (8 bytes of prompt) kept per worker"
+        _POLICY.max_tree_size,
+        "cache_aware: tree units kept per worker (8 prompt bytes; a node costs 60)",
     )
     api_key: str | None = _f(None, "bearer key required on inference endpoints")
     admin_api_key: str | None = _f(

@@ -12,7 +12,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 from radixserve.router.keys import Namespace, ids_key, namespace, text_key, units
-from radixserve.router.tree import MultiTenantTree
+from radixserve.router.tree import NODE_UNITS, MultiTenantTree
 
 
 @dataclass(slots=True, frozen=True)
@@ -23,8 +23,9 @@ class CachePolicyConfig:
     balance_abs_threshold: int = 32
     balance_rel_threshold: float = 1.0001
     eviction_interval_secs: float = 60.0
-    # Units of 8 key bytes (8 ASCII characters or 2 tokens) per worker: 2**20 units is 8 MiB of
-    # edges per worker, about 2M tokens, more than the KV cache of a typical GPU worker.
+    # Units of 8 bytes per worker, counting each tree node as 60 units beside its key bytes
+    # (8 ASCII characters or 2 tokens per unit): 2**20 units is about 8 MiB of router memory per
+    # worker, up to 2M tokens of prompts, as much as the KV cache of a typical GPU worker.
     max_tree_size: int = 2**20
 
     def __post_init__(self) -> None:
@@ -224,12 +225,13 @@ class LeastLoadPolicy(RouterPolicy):
 #       when it exceeds the least loaded by more than abs requests AND more than rel times.
 #   eviction_interval_secs (60): tick(now) trims the tree at most this often; 0 disables
 #       eviction altogether (the cap below included), so tests are deterministic.
-#   max_tree_size (2**20 units, 8 MiB of keys per worker; sglang: 2**24 characters): per-worker
-#       cap. Eviction drops a worker's least recently used leaves until it holds 7/8 of the cap
-#       (the headroom amortises the walk over the whole tree). Unlike sglang-router, the cap is
-#       also enforced at dispatch: a timer alone lets the tree grow with the request rate
-#       (sglang-router: 640 MB after 100,000 2,000-character prompts, most of a minute's worth).
-#       Router memory is about workers * max_tree_size * 8 bytes plus ~450 bytes per node.
+#   max_tree_size (2**20 units, about 8 MiB per worker; sglang: 2**24 characters): per-worker
+#       cap on key units plus NODE_UNITS (60) per node held, so that it bounds router memory
+#       (about max_tree_size * 8 bytes per worker) for short prompts too. Eviction drops a
+#       worker's least recently used leaves until it is within 7/8 of the cap (the headroom
+#       amortises the walk over the whole tree). Unlike sglang-router, the cap is also enforced
+#       at dispatch: a timer alone lets the tree grow with the request rate (sglang-router:
+#       640 MB after 100,000 2,000-character prompts, most of a minute's worth).
 
 
 @register("cache_aware")
@@ -238,7 +240,7 @@ class CacheAwarePolicy(RouterPolicy):
 
     def __init__(self, config: CachePolicyConfig | None = None, seed: int = 0) -> None:
         super().__init__(config, seed)
-        self.tree = MultiTenantTree()
+        self.tree = MultiTenantTree(node_units=NODE_UNITS)
         self._last_eviction = -math.inf
         self._matched_units = 0
         self._total_units = 0
@@ -255,7 +257,7 @@ class CacheAwarePolicy(RouterPolicy):
         self._matched_units += held
         self._total_units += units(request.key)
         cfg = self.config
-        if cfg.eviction_interval_secs > 0 and self.tree.size(worker_id) > cfg.max_tree_size:
+        if cfg.eviction_interval_secs > 0 and self.tree.cost(worker_id) > cfg.max_tree_size:
             self._evict()
 
     def on_worker_removed(self, worker_id: Hashable) -> None:

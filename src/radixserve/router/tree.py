@@ -11,8 +11,12 @@ Owns insert, per-tenant prefix match, O(1) per-tenant sizes, per-tenant LRU evic
 #   exactly the tenants with the longest match.
 # - One subtree per namespace (key kind, model, LoRA adapter, cache salt), so requests that an
 #   engine would not serve from the same KV cache never share a node.
-# - Sizes are running per-tenant counters in units; `check_integrity()` recounts them. Eviction
-#   removes a tenant from its least recently used leaves until it fits; a node nobody holds goes.
+# - Sizes (key units held) and node counts are running per-tenant counters; `check_integrity()`
+#   recounts them. Eviction caps a tenant's cost, its size plus `node_units` per node held, so
+#   that the cap bounds memory even when edges are short (a node costs ~475 bytes beside its
+#   edge). Sizes alone stay the placement signal: they measure distinct content, where node
+#   counts mostly measure how many requests came. Eviction removes a tenant from its least
+#   recently used leaves until it fits; a node nobody holds goes.
 # - Nothing here reads a clock: callers pass `now`, so a simulator can drive it on virtual time.
 
 from __future__ import annotations
@@ -24,11 +28,15 @@ from collections.abc import Hashable, Iterator
 from radixserve.router.keys import UNIT, Namespace
 
 Tenant = Hashable
+NODE_UNITS = 60
+"""What a node costs beside its edge, in units: ~475 bytes measured (node, tenant dict and its
+entry, the parent's index key and slot)."""
 _Use = tuple[float, int]
 """(last access, inserts through the node): LRU order, and which holder a prefix calls home."""
 Match = tuple[int, int, float]
 """(matched units, inserts through the deepest matched node, its last access)."""
 _HeapItem = tuple[float, int, "_Node"]
+_Held = dict[tuple["_Node", Tenant], int]
 
 
 class _Node:
@@ -81,9 +89,11 @@ def _check(cond: bool, msg: str) -> None:
 class MultiTenantTree:
     """Radix tree of packed keys shared by tenants (workers); lengths and sizes are in units."""
 
-    def __init__(self) -> None:
+    def __init__(self, node_units: int = 0) -> None:
+        self.node_units = node_units
         self._roots: dict[Namespace, _Node] = {}
         self._sizes: dict[Tenant, int] = {}
+        self._nodes: dict[Tenant, int] = {}
         self._seq = itertools.count()
 
     # ----- reads (never mutate: a policy's select() may call them freely) -----
@@ -137,6 +147,10 @@ class MultiTenantTree:
         """Units held per known tenant."""
         return dict(self._sizes)
 
+    def cost(self, tenant: Tenant) -> int:
+        """What eviction caps: `tenant`'s size plus `node_units` per node it holds (O(1))."""
+        return self._sizes.get(tenant, 0) + self.node_units * self._nodes.get(tenant, 0)
+
     # ----- writes -----
 
     def insert(self, key: bytes, tenant: Tenant, now: float, ns: Namespace = ()) -> int:
@@ -146,6 +160,7 @@ class MultiTenantTree:
         """
         _check_key(key)
         self._sizes.setdefault(tenant, 0)
+        self._nodes.setdefault(tenant, 0)
         node = self._roots.get(ns)
         if node is None:
             node = self._roots[ns] = _Node(b"", None, {})
@@ -165,33 +180,39 @@ class MultiTenantTree:
         return (len(key) if held < 0 else held) // UNIT
 
     def evict_tenant_by_size(self, max_size: int) -> int:
-        """Evict least recently used leaves of every tenant above `max_size` units; returns units."""
-        over = {t for t, s in self._sizes.items() if s > max_size}
+        """Evict least recently used leaves of every tenant whose cost is above `max_size` units;
+        returns the key units evicted."""
+        over = {t for t in self._sizes if self.cost(t) > max_size}
         if not over:
             return 0
-        heaps = self._leaf_heaps(over)
-        evicted = sum(self._evict_tenant(t, heaps[t], max_size) for t in over)
+        heaps, held = self._leaf_heaps(over)
+        evicted = sum(self._evict_tenant(t, heaps[t], held, max_size) for t in over)
         self._drop_empty_roots()
         return evicted
 
     def remove_tenant(self, tenant: Tenant) -> None:
         """Forget everything `tenant` holds (a worker left)."""
         # Children before parents, so a node emptied here has no children left to orphan.
-        for node in reversed(list(self._nodes())):
+        for node in reversed(list(self._walk())):
             if node.tenants.pop(tenant, None) is not None and not node.tenants:
                 self._detach(node)
         self._sizes.pop(tenant, None)
+        self._nodes.pop(tenant, None)
         self._drop_empty_roots()
 
     def check_integrity(self) -> None:
         """Recount every per-tenant size and check the tree's structural invariants."""
         counts: dict[Tenant, int] = {}
-        for node in self._nodes():
+        nodes: dict[Tenant, int] = {}
+        for node in self._walk():
             self._check_node(node)
             for tenant in node.tenants:
                 counts[tenant] = counts.get(tenant, 0) + len(node.edge) // UNIT
+                nodes[tenant] = nodes.get(tenant, 0) + 1
         nonzero = {t: s for t, s in self._sizes.items() if s}
         _check(counts == nonzero, f"size counters {nonzero} != recount {counts}")
+        nonzero = {t: n for t, n in self._nodes.items() if n}
+        _check(nodes == nonzero, f"node counters {nonzero} != recount {nodes}")
 
     # ----- internals -----
 
@@ -199,6 +220,7 @@ class MultiTenantTree:
         use = node.tenants.get(tenant)
         if use is None:
             self._sizes[tenant] += len(node.edge) // UNIT
+            self._nodes[tenant] += 1
             node.tenants[tenant] = (now, 1)
         else:
             node.tenants[tenant] = (now, use[1] + 1)
@@ -208,12 +230,15 @@ class MultiTenantTree:
             parent.children = {}
         parent.children[edge[:UNIT]] = _Node(edge, parent, {tenant: (now, 1)})
         self._sizes[tenant] += len(edge) // UNIT
+        self._nodes[tenant] += 1
 
     def _split(self, child: _Node, n: int) -> _Node:
         """Cut `child`'s edge after `n` bytes; the new upper node inherits its tenants."""
         parent = child.parent
         assert parent is not None and parent.children is not None
         mid = _Node(child.edge[:n], parent, dict(child.tenants))
+        for tenant in mid.tenants:
+            self._nodes[tenant] += 1
         child.edge, child.parent = child.edge[n:], mid
         mid.children = {child.edge[:UNIT]: child}
         parent.children[mid.edge[:UNIT]] = mid
@@ -230,7 +255,7 @@ class MultiTenantTree:
         # Namespaces churn (a cache salt per user), so empty subtrees must not linger.
         self._roots = {ns: root for ns, root in self._roots.items() if root.children}
 
-    def _nodes(self) -> Iterator[_Node]:
+    def _walk(self) -> Iterator[_Node]:
         """Every non-root node, parents before children."""
         stack = [c for root in self._roots.values() for c in (root.children or {}).values()]
         while stack:
@@ -239,36 +264,41 @@ class MultiTenantTree:
             if node.children:
                 stack.extend(node.children.values())
 
-    def _leaf_heaps(self, over: set[Tenant]) -> dict[Tenant, list[_HeapItem]]:
-        """Per tenant in `over`, a heap of its leaves (nodes no child of which it holds)."""
+    def _leaf_heaps(self, over: set[Tenant]) -> tuple[dict[Tenant, list[_HeapItem]], _Held]:
+        """Per tenant in `over`, a heap of its leaves (nodes no child of which it holds), and
+        how many children of each node it holds: counted once here, so that finding whether an
+        evicted leaf's parent became a leaf does not rescan a parent of thousands of children."""
+        nodes, held = list(self._walk()), {}
+        for node in nodes:
+            for tenant in node.tenants:
+                if tenant in over:
+                    held[node.parent, tenant] = held.get((node.parent, tenant), 0) + 1
         heaps: dict[Tenant, list[_HeapItem]] = {t: [] for t in over}
-        for node in self._nodes():
+        for node in nodes:
             for tenant, (stamp, _) in node.tenants.items():
-                if tenant in over and (node.children is None or self._is_leaf_of(node, tenant)):
+                if tenant in over and (node, tenant) not in held:
                     heaps[tenant].append((stamp, next(self._seq), node))
         for heap in heaps.values():
             heapq.heapify(heap)
-        return heaps
+        return heaps, held
 
-    def _evict_tenant(self, tenant: Tenant, heap: list[_HeapItem], max_size: int) -> int:
+    def _evict_tenant(
+        self, tenant: Tenant, heap: list[_HeapItem], held: _Held, max_size: int
+    ) -> int:
         evicted = 0
-        while heap and self._sizes[tenant] > max_size:
+        while heap and self.cost(tenant) > max_size:
             _, _, node = heapq.heappop(heap)
             del node.tenants[tenant]
             evicted += len(node.edge) // UNIT
             self._sizes[tenant] -= len(node.edge) // UNIT
+            self._nodes[tenant] -= 1
             if not node.tenants:
                 self._detach(node)
             parent = node.parent
-            if parent is not None and self._is_leaf_of(parent, tenant):
+            held[parent, tenant] -= 1
+            if not held[parent, tenant] and tenant in parent.tenants:  # roots hold no tenant
                 heapq.heappush(heap, (parent.tenants[tenant][0], next(self._seq), parent))
         return evicted
-
-    @staticmethod
-    def _is_leaf_of(node: _Node, tenant: Tenant) -> bool:
-        """`tenant` holds `node` but none of its children."""
-        children = (node.children or {}).values()
-        return tenant in node.tenants and not any(tenant in c.tenants for c in children)
 
     def _check_node(self, node: _Node) -> None:
         parent = node.parent
