@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -90,3 +93,17 @@ def test_a_dead_engine_is_a_503_and_a_killed_server_leaves_nothing():
     finally:
         server.stop(check=False)
     assert left == []
+
+
+def test_a_port_in_use_fails_at_once_with_a_message():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cmd = [sys.executable, "-m", "radixserve", "serve", "--sim", "tiny-cpu", "--port",
+               str(port)]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert "starting the engine" not in done.stdout  # refused before any engine was started

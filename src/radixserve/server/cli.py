@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import socket
 import sys
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
@@ -43,7 +44,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    """Launch the engine before binding, so that the server is ready once it listens."""
+    """Bind the address first (a port in use fails at once, not after loading the model), then
+    launch the engine, then listen: the server is ready once it accepts connections."""
     from radixserve.engine.launch import EngineConfig, EngineStartError, launch
 
     try:
@@ -55,18 +57,40 @@ def run(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=server.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    try:
+        sock = bind(server.host, server.port)
+    except OSError as e:
+        print(f"radixserve serve: cannot listen on {server.host}:{server.port}: {e}",
+              file=sys.stderr)  # fmt: skip
+        return 1
     what = f"simulated {server.sim}" if server.sim else (engine_config.model.model or "built-in")
     print(f"radixserve: starting the engine ({what})", flush=True)
-    try:
-        engine = launch(engine_config)
-    except EngineStartError as e:
-        print(f"radixserve serve: {e}", file=sys.stderr)
-        return 1
-    try:
-        _run_loop(serve(server, engine))
-    finally:
-        engine.shutdown()
+    with sock:
+        try:
+            engine = launch(engine_config)
+        except EngineStartError as e:
+            print(f"radixserve serve: {e}", file=sys.stderr)
+            return 1
+        try:
+            _run_loop(serve(server, engine, sock))
+        finally:
+            engine.shutdown()
     return 0
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (port 0: any free one), not yet listening."""
+    family, kind, proto, _, addr = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def _run_loop(main: Coroutine[Any, Any, None]) -> None:
@@ -78,8 +102,9 @@ def _run_loop(main: Coroutine[Any, Any, None]) -> None:
         uvloop.run(main)
 
 
-async def serve(config: ServerConfig, engine: EngineProcesses) -> None:
-    """Serve a launched engine until told to stop; prints the address once bound."""
+async def serve(config: ServerConfig, engine: EngineProcesses, sock: socket.socket) -> None:
+    """Serve a launched engine on a bound socket until told to stop; prints the address once
+    listening."""
     import uvicorn
 
     from radixserve.server.app import create_app
@@ -89,11 +114,11 @@ async def serve(config: ServerConfig, engine: EngineProcesses) -> None:
         app, host=config.host, port=config.port, log_level=config.log_level,
         access_log=config.access_log, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     ))  # fmt: skip
-    task = asyncio.create_task(server.serve())
+    task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not task.done():
         await asyncio.sleep(0.05)
     if server.started:
-        port = server.servers[0].sockets[0].getsockname()[1]
+        port = sock.getsockname()[1]
         name = app.state.server.model_name
         host = f"[{config.host}]" if ":" in config.host else config.host
         print(f"radixserve: serving {name} on http://{host}:{port}", flush=True)
