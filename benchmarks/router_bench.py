@@ -6,10 +6,10 @@ affinity and load balance, and router memory; sglang-router side by side when it
     python benchmarks/router_bench.py --only affinity --affinity-runs 5
 
 Workers are tests/fake_worker.py processes: instant answers, and a toy LRU prefix cache of
-64-character blocks, 32,000 characters per worker (half of the affinity workload's prefixes, as
-on GPUs whose KV cache cannot hold every group everywhere), that reports its hit rate. Each router runs as its own process with its default
-settings and policy cache_aware; the load generator is one asyncio process with keep-alive
-connections. Throughput rounds alternate between the targets and medians are reported, so a
+64-character blocks, 32,000 characters per worker (half of the affinity workload's prefixes,
+as on GPUs whose KV cache cannot hold every group everywhere), that reports its hit rate. Each
+router runs as its own process with its default settings and policy cache_aware; the load
+generator is one asyncio process with keep-alive connections. Throughput rounds alternate between the targets and medians are reported, so a
 neighbour's burst on a shared machine hits every target alike. Timings never fail anything:
 this prints numbers and whether the issue's targets were met, and asserts none.
 """
@@ -407,6 +407,9 @@ def main() -> None:
         for proc in procs:
             proc.terminate()
     verdict(tp, aff, mem)
+    busy = os.getloadavg()[0] > (os.cpu_count() or 1)
+    load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"load average at the end: {load}" + (" (above the cpu count: noisy)" if busy else ""))
 
 
 if __name__ == "__main__":
