@@ -151,6 +151,19 @@ def test_a_request_too_long_for_any_engine_is_rejected_not_lost() -> None:
     assert (res.num_finished, res.num_rejected, res.num_unfinished) == (3, 1, 0)
 
 
+def test_rejections_under_a_concurrency_limit_never_stall_the_backlog() -> None:
+    huge = list(range(5000))  # more than the pool: every one is rejected, 600 in a row
+    reqs = [WorkloadRequest(f"huge{i}", 0.0, huge, 4) for i in range(600)]
+    reqs += groups(num_groups=1, prompts_per_group=3)
+    sim = ClusterSim(
+        ClusterConfig(engines=2, max_concurrency=2), cache_config=CacheConfig(max_total_tokens=4096)
+    )
+    res = sim.run(reqs)
+    assert (res.num_finished, res.num_rejected, res.num_unfinished) == (3, 600, 0)
+    with pytest.raises(RuntimeError):
+        sim.run(reqs)
+
+
 def test_table_names_every_run_and_the_ratio() -> None:
     reqs = groups(num_groups=4, prompts_per_group=4)
     results = [

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -130,6 +131,7 @@ class ClusterSim:
         self._seq = 0
         self._live: dict[str, tuple[Req, _Engine, RequestView]] = {}
         self._sampling: dict[int, SamplingParams] = {}
+        self._ran = False
 
     def _clock(self) -> float:
         return self.now
@@ -148,6 +150,9 @@ class ClusterSim:
     ) -> SimResult:
         """Serve every request; returns the report once the last one has finished. With
         ``block_tokens`` (trace replay), cached blocks of requests with hash ids are counted."""
+        if self._ran:
+            raise RuntimeError("a ClusterSim runs once: its engines keep their caches")
+        self._ran, self._draining = True, False
         wall = time.perf_counter()
         self._block_tokens = block_tokens
         self._reqs = list(requests)
@@ -266,11 +271,13 @@ class ClusterSim:
             # a chat's next turn: the user reads the reply, then thinks before sending
             think = self._reqs[j].arrival_s - self._reqs[self._index[rid]].arrival_s
             self._push(self.now + max(think, 0.0), _ARRIVE, j)
-        if self._backlog and (
-            self.config.max_concurrency is None or self._outstanding < self.config.max_concurrency
-        ):
-            self._outstanding += 1
-            self._dispatch(self._backlog.popleft())
+        if not self._draining:  # a rejected request refills from inside this loop: no recursion
+            self._draining = True
+            limit = self.config.max_concurrency or math.inf
+            while self._backlog and self._outstanding < limit:
+                self._outstanding += 1
+                self._dispatch(self._backlog.popleft())
+            self._draining = False
 
     def check_integrity(self) -> None:
         """Recount every engine's KV accounting and the router's tree."""
