@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -47,8 +48,11 @@ class ServerProcess:
     def __init__(self, args: Sequence[str]) -> None:
         cmd = [sys.executable, "-m", "radixserve", "serve", "--port", "0", "--log-level",
                "warning", *args]  # fmt: skip
+        # a temporary directory of its own, to see that the engine's IPC sockets are removed
+        self.tmp = tempfile.TemporaryDirectory(prefix="radixserve-test-")
+        env = {**os.environ, "TMPDIR": self.tmp.name}
         self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env
         )
         self.lines: list[str] = []
         self._ready = threading.Event()
@@ -126,20 +130,26 @@ class ServerProcess:
             time.sleep(0.05)
 
     def stop(self, check: bool = True, sig: int = signal.SIGTERM) -> None:
-        """Signal the server and wait; with ``check``, every process it started must be gone."""
-        pids = self.tree() if self.proc.poll() is None else [self.pid]
-        if self.proc.poll() is None:
+        """Signal the server and wait. With ``check``: it exits with 0, and every process and
+        file it made is gone."""
+        running = self.proc.poll() is None
+        pids = self.tree() if running else [self.pid]
+        if running:
             self.proc.send_signal(sig)
         try:
-            self.proc.wait(STOP_TIMEOUT_S)
+            code = self.proc.wait(STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            self.proc.wait(STOP_TIMEOUT_S)
-            assert not check, "the server ignored SIGTERM:\n" + self.output()
+            code = self.proc.wait(STOP_TIMEOUT_S)
         left = wait_gone(pids, STOP_TIMEOUT_S)
         for pid in left:  # never leave them behind, even when the check fails
             _kill(pid)
-        assert not (check and left), f"processes outlived the server: {left}\n{self.output()}"
+        files = os.listdir(self.tmp.name)
+        self.tmp.cleanup()
+        if check:
+            assert code == 0, f"the server exited with {code}:\n{self.output()}"
+            assert not left, f"processes outlived the server: {left}\n{self.output()}"
+            assert not files, f"the server left files behind: {files}"
 
 
 def _stat(pid: int) -> list[str] | None:

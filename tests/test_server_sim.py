@@ -107,3 +107,9 @@ def test_a_port_in_use_fails_at_once_with_a_message():
     assert f"cannot listen on 127.0.0.1:{port}" in done.stderr
     assert "Traceback" not in done.stderr
     assert "starting the engine" not in done.stdout  # refused before any engine was started
+
+
+def test_ctrl_c_stops_it_cleanly():
+    server = ServerProcess(["--sim", "tiny-cpu"])
+    server.stop(sig=signal.SIGINT)  # exit code 0, no process or IPC socket left
+    assert not server.errors(), server.output()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 import socket
 import sys
 from collections.abc import Coroutine
@@ -71,11 +72,20 @@ def run(args: argparse.Namespace) -> int:
         except EngineStartError as e:
             print(f"radixserve serve: {e}", file=sys.stderr)
             return 1
+        # uvicorn stops on SIGINT or SIGTERM and then raises the same signal again, whose
+        # default action would end this process before the engine is shut down
+        previous = {s: signal.signal(s, _stopped) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             _run_loop(serve(server, engine, sock))
         finally:
             engine.shutdown()
+            for s, handler in previous.items():
+                signal.signal(s, handler)
     return 0
+
+
+def _stopped(signum: int, _: Any) -> None:
+    log.info("stopped by %s", signal.Signals(signum).name)
 
 
 def bind(host: str, port: int) -> socket.socket:
