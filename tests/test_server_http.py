@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from server_harness import ServerProcess
+from server_harness import ServerProcess, assert_error_body
 
 MAX_NEW = 8
 SAMPLING = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
@@ -123,6 +123,18 @@ def test_flush_cache_forgets_cached_prefixes(tiny_server):
     reply = tiny_server.post("/flush_cache", b"")
     assert reply.status == 200 and reply.json()["success"] is True
     assert generate(tiny_server, text=prompt)["meta_info"]["cached_tokens"] == 0
+
+
+def test_flush_cache_refuses_while_requests_run(tiny_server):
+    body = {"text": PROMPT, "stream": True, "sampling_params": {**SAMPLING, "max_new_tokens": 110}}
+    sock = _open_stream(tiny_server, body)
+    try:
+        err = assert_error_body(tiny_server.post("/flush_cache", b""), 409)
+        assert err["code"] == "engine_busy"
+    finally:
+        sock.close()
+    tiny_server.wait_idle()
+    assert tiny_server.post("/flush_cache", b"").status == 200
 
 
 def test_metrics_count_requests_tokens_and_latency(tiny_server):
