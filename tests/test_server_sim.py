@@ -70,6 +70,13 @@ def test_an_idle_sim_server_uses_next_to_no_cpu(sim_server):
     assert used < IDLE_CPU_S, f"{used:.2f} CPU seconds in 2 s idle by {tree}"
 
 
+def test_a_sim_server_loads_no_torch(sim_server):
+    """Many simulated workers share one machine: none of their processes maps torch."""
+    for pid in sim_server.tree():
+        with open(f"/proc/{pid}/maps") as f:
+            assert "libtorch" not in f.read(), pid
+
+
 def test_a_dead_engine_is_a_503_and_a_killed_server_leaves_nothing():
     server = ServerProcess(["--sim", "tiny-cpu"])
     try:
