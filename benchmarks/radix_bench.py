@@ -2,84 +2,223 @@
 
 Each group shares an L/2-token prefix; each sequence has a unique L/2-token suffix. Prints
 calls/s and tokens/s (median of --repeats runs) for full-hit, group-hit and miss matches and for
-inserts, at L = 2,000 and 8,000. The baseline, measured in the same run, is the same tree with
-keys compared token by token in a Python loop (how a plain pure-Python radix tree compares them).
+inserts, at L = 2,000 and 8,000.
 
-    python benchmarks/radix_bench.py [--repeats 5] [--lengths 2000 8000]
+Inputs are what a real caller passes: every sequence and every query is its own freshly built
+list of fresh int objects (token ids > 256, above CPython's small-int cache), so no two share
+an int object and comparisons cannot short-cut on identity; the queries are never the lists
+that were inserted, and each call converts its list itself.
+
+Rows: "match" is match_prefix returning the length and the last node (what the scheduler's
+prefix index uses, and what SGLang 0.5.23's match_prefix returns); "+slots" also reads the
+result's slot list (what the KV manager does after an insert). The baseline, measured in the
+same run on the same inputs, is a plain pure-Python radix tree that compares keys token by token
+in a Python loop (SGLang's radix cache before it moved to slice compares, lists for values).
+Times are this process's CPU time by default, as the machine may be shared (--clock wall for
+elapsed time).
+
+    python benchmarks/radix_bench.py [--repeats 5] [--lengths 2000 8000] [--clock cpu|wall]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from array import array
+from collections.abc import Callable
+from typing import Any
 
-import radixserve.cache.radix as radix
 from _machine import machine_line
 from radixserve.cache.radix import RadixCache
 
 GROUPS, PER_GROUP = 10, 100
+VOCAB = (257, 32000)  # CPython caches the ints -5..256; real token ids are mostly larger
 # SGLang 0.5.23's pure-Python RadixCache on this kind of machine (figures quoted in issue 2)
 SGLANG_REF = {("full-hit match", 2000): 39_000, ("full-hit match", 8000): 23_500,
               ("insert", 2000): 29_000}  # fmt: skip
 
 
-def loop_common_len(a: list[int], b: Sequence[int], start: int, end: int) -> int:
-    n = min(len(a), end - start)
+def fresh(tokens: list[int]) -> list[int]:
+    """An equal list of new int objects, as a tokenizer would hand over for a new request."""
+    return array("q", tokens).tolist()
+
+
+# -- the baseline: a plain radix tree, keys compared token by token -----------------------------
+class _LoopNode:
+    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "hits")
+
+    def __init__(self, key: list[int], value: list[int], parent: _LoopNode | None) -> None:
+        self.children: dict[int, _LoopNode] = {}
+        self.parent, self.key, self.value = parent, key, value
+        self.lock_ref, self.last_access, self.hits = 0, 0, 0
+
+
+class _LoopMatch:
+    __slots__ = ("last_node", "length")
+
+    def __init__(self, last_node: _LoopNode, length: int) -> None:
+        self.last_node, self.length = last_node, length
+
+    @property
+    def slots(self) -> list[int]:
+        parts, node = [], self.last_node
+        while node.parent is not None:
+            parts.append(node.value)
+            node = node.parent
+        return [s for part in reversed(parts) for s in part]
+
+
+def _loop_match(key: list[int], tokens: list[int]) -> int:
     i = 0
-    while i < n and a[i] == b[start + i]:
+    for a, b in zip(key, tokens):
+        if a != b:
+            break
         i += 1
     return i
 
 
+class LoopRadix:
+    """SGLang's RadixCache algorithm (page size 1) with Python lists for keys and values."""
+
+    def __init__(self) -> None:
+        self.root = _LoopNode([], [], None)
+        self.tick = 0
+
+    def match_prefix(self, key: list[int]) -> _LoopMatch:
+        self.tick += 1
+        node, length = self.root, 0
+        while key and key[0] in node.children:
+            child = node.children[key[0]]
+            child.last_access, child.hits = self.tick, child.hits + 1
+            n = _loop_match(child.key, key)
+            length += n
+            if n < len(child.key):
+                node = self._split(child, n)
+                break
+            node, key = child, key[n:]
+        return _LoopMatch(node, length)
+
+    def insert(self, key: list[int], value: list[int]) -> int:
+        self.tick += 1
+        node, total = self.root, 0
+        while key and key[0] in node.children:
+            child = node.children[key[0]]
+            child.last_access = self.tick
+            n = _loop_match(child.key, key)
+            total += n
+            key, value = key[n:], value[n:]
+            if n < len(child.key):
+                child = self._split(child, n)
+            node = child
+        if key:
+            leaf = _LoopNode(key, value, node)
+            node.children[key[0]] = leaf
+        return total
+
+    def _split(self, child: _LoopNode, n: int) -> _LoopNode:
+        parent = child.parent
+        assert parent is not None
+        upper = _LoopNode(child.key[:n], child.value[:n], parent)
+        upper.lock_ref, upper.last_access = child.lock_ref, child.last_access
+        upper.hits = child.hits
+        child.key, child.value, child.parent = child.key[n:], child.value[n:], upper
+        upper.children[child.key[0]] = child
+        parent.children[upper.key[0]] = upper
+        return upper
+
+
+# -- workload ---------------------------------------------------------------------------------
 def make_sequences(length: int, rng: random.Random) -> list[list[int]]:
     half = length // 2
-    prefixes = [[rng.randrange(32000) for _ in range(half)] for _ in range(GROUPS)]
+    prefixes = [[rng.randrange(*VOCAB) for _ in range(half)] for _ in range(GROUPS)]
     return [
-        p + [rng.randrange(32000) for _ in range(half)] for p in prefixes for _ in range(PER_GROUP)
+        fresh(p) + [rng.randrange(*VOCAB) for _ in range(half)]
+        for p in prefixes
+        for _ in range(PER_GROUP)
     ]
 
 
-def build(seqs: list[list[int]], slots: list[list[int]]) -> RadixCache:
-    cache = RadixCache()
-    for s, v in zip(seqs, slots):
-        cache.insert(s, v)
-    return cache
+def make_queries(seqs: list[list[int]], rng: random.Random) -> dict[str, list[list[int]]]:
+    half = len(seqs[0]) // 2
+    other = (VOCAB[1], VOCAB[1] + 1000)  # ids that no cached sequence contains
+    return {
+        "full-hit": [fresh(s) for s in seqs],
+        "group-hit": [fresh(s[:half]) + [rng.randrange(*other) for _ in range(half)] for s in seqs],
+        "miss": [[rng.randrange(*other)] + fresh(s[1:]) for s in seqs],
+    }
 
 
-def rate(fn: Callable[[], int], repeats: int) -> float:
-    """Median calls/s of ``fn`` (which returns how many calls it made)."""
+def check_inputs(seqs: list[list[int]], queries: dict[str, list[list[int]]]) -> None:
+    """No query, and no two sequences of a group, share an int object (so no identity hits)."""
+    seen = {id(x) for s in seqs for x in s}
+    assert len(seen) == sum(len(s) for s in seqs), "sequences share int objects"
+    for qs in queries.values():
+        assert not any(id(x) in seen for q in qs for x in q), "a query shares ints with the tree"
+
+
+CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
+
+
+def rate(
+    fn: Callable[[], int],
+    repeats: int,
+    clock: Callable[[], float],
+    after: Callable[[], None] = lambda: None,
+) -> float:
+    """Median calls/s of ``fn`` (which returns how many calls it made); ``after`` runs untimed
+    after each run."""
     rates = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        gc.collect()
+        t0 = clock()
         calls = fn()
-        rates.append(calls / (time.perf_counter() - t0))
+        rates.append(calls / (clock() - t0))
+        after()
     return statistics.median(rates)
 
 
-def measure(length: int, repeats: int) -> dict[str, float]:
+def measure(
+    factory: Callable[[], Any], length: int, repeats: int, clock: Callable[[], float]
+) -> dict[str, float]:
     rng = random.Random(length)
     seqs = make_sequences(length, rng)
     slots = [list(range(i * length, (i + 1) * length)) for i in range(len(seqs))]
-    cache = build(seqs, slots)
-    half = length // 2
-    group_hits = [s[:half] + [32001] * half for s in seqs[::PER_GROUP]] * PER_GROUP
-    misses = [[32002] + s[1:] for s in seqs]
+    queries = make_queries(seqs, rng)
+    check_inputs(seqs, queries)
 
-    def matches(queries: list[list[int]]) -> Callable[[], int]:
-        return lambda: sum(1 for q in queries if cache.match_prefix(q) is not None)
+    def build() -> Any:
+        cache = factory()
+        for s, v in zip(seqs, slots):
+            cache.insert(s, v)
+        return cache
+
+    cache = build()
+    for q, v in zip(queries["full-hit"], slots):  # a full hit ends in the query's own leaf
+        got = cache.match_prefix(q).slots
+        assert len(got) == length and got[-1] == v[-1], "full-hit match returned wrong slots"
+
+    def matches(qs: list[list[int]]) -> Callable[[], int]:
+        return lambda: sum(1 for q in qs if cache.match_prefix(q).length >= 0)
+
+    def matches_with_slots(qs: list[list[int]]) -> Callable[[], int]:
+        return lambda: sum(1 for q in qs if len(cache.match_prefix(q).slots) >= 0)
+
+    built: list[Any] = []  # each run's tree is freed after its timing, not inside the next
 
     def inserts() -> int:
-        build(seqs, slots)
+        built.append(build())
         return len(seqs)
 
+    full, group, miss = queries["full-hit"], queries["group-hit"], queries["miss"]
     return {
-        "full-hit match": rate(matches(seqs), repeats),
-        "group-hit match": rate(matches(group_hits), repeats),
-        "miss match": rate(matches(misses), repeats),
-        "insert": rate(inserts, repeats),
+        "full-hit match": rate(matches(full), repeats, clock),
+        "full-hit +slots": rate(matches_with_slots(full), repeats, clock),
+        "group-hit match": rate(matches(group), repeats, clock),
+        "miss match": rate(matches(miss), repeats, clock),
+        "insert": rate(inserts, repeats, clock, built.clear),
     }
 
 
@@ -87,18 +226,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--lengths", type=int, nargs="+", default=[2000, 8000])
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="cpu",
+                    help="cpu: this process's CPU time (steady on a shared machine); wall: elapsed")  # fmt: skip
     args = ap.parse_args()
+    clock = CLOCKS[args.clock]
     print(machine_line())
     print(f"workload: {GROUPS} groups x {PER_GROUP} sequences of L tokens, L/2 shared per group; "
-          f"median of {args.repeats} runs")  # fmt: skip
+          f"fresh int objects in every query; median of {args.repeats} runs, {args.clock} time")  # fmt: skip
     print(f"{'op':<16} {'L':>5} {'calls/s':>10} {'Mtok/s':>8} {'loop baseline':>14} "
           f"{'ratio':>6} {'vs SGLang':>9}")  # fmt: skip
-    fast_len = radix._common_len
     for length in args.lengths:
-        ours = measure(length, args.repeats)
-        radix._common_len = loop_common_len
-        base = measure(length, args.repeats)
-        radix._common_len = fast_len
+        ours = measure(RadixCache, length, args.repeats, clock)
+        base = measure(LoopRadix, length, args.repeats, clock)
         for op, r in ours.items():
             ref = SGLANG_REF.get((op, length))
             vs = f"{r / ref:.2f}x" if ref else "-"

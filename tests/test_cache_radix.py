@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from array import array
+
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -127,10 +129,20 @@ class RadixMachinePaged(RadixMachine):
     max_len = 80
 
 
+class RadixMachineCompacting(RadixMachine):
+    """Every eviction that frees enough compacts the slot slab."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cache._compact_min = 0
+
+
 TestRadixPage1 = RadixMachine.TestCase
 TestRadixPage1.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
 TestRadixPage16 = RadixMachinePaged.TestCase
 TestRadixPage16.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
+TestRadixCompacting = RadixMachineCompacting.TestCase
+TestRadixCompacting.settings = settings(max_examples=50, stateful_step_count=30, deadline=None)
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu", "fifo"])
@@ -199,3 +211,66 @@ def test_reset_returns_slots_and_refuses_when_locked() -> None:
     cache.unlock(hit.last_node)
     assert sorted(cache.reset()) == [3, 4]
     assert cache.total_size() == 0
+
+
+def test_fresh_int_objects_and_other_sequence_types_match() -> None:
+    """Callers pass newly tokenized ids: equal values, never the inserted int objects."""
+    cache = RadixCache()
+    toks = [1000 + i for i in range(50)]
+    cache.insert(toks, list(range(50)))
+    fresh = array("q", toks).tolist()
+    assert all(a is not b for a, b in zip(toks, fresh))
+    for query in (fresh, tuple(fresh), array("Q", fresh), range(1000, 1050)):
+        assert cache.match_prefix(query).slots == list(range(50))
+    assert cache.match_prefix(fresh[:30] + [7]).length == 30  # splits the node after 30
+    assert cache.insert(tuple(fresh[:30]) + (5, 6), range(100, 132)) == 30
+    assert cache.match_prefix(fresh[:30] + [5, 6]).slots == [*range(30), 130, 131]
+    cache.check_integrity()
+
+
+def test_token_ids_are_unsigned_64_bit() -> None:
+    """Keys start 32-bit; a larger id widens every key once, and matches go on as before."""
+    cache = RadixCache(CacheConfig(page_size=2))
+    assert cache.insert([1, 2, 3, 4], [0, 1, 2, 3]) == 0
+    cache.match_prefix([1, 2, 9, 9])  # a split before the widening
+    big = [1, 2, 2**40, 2**64 - 1]
+    assert cache.insert(big, [0, 1, 4, 5]) == 2
+    cache.check_integrity()
+    assert cache.match_prefix(array("q", [1, 2, 3, 4]).tolist()).slots == [0, 1, 2, 3]
+    assert cache.match_prefix([1, 2, 2**40, 2**64 - 1, 7]).slots == [0, 1, 4, 5]
+    for bad in (-1, 2**64, 1.5):
+        with pytest.raises(ValueError, match="token ids"):
+            cache.insert([1, 2, bad, 0], [5, 6, 7, 8])
+        with pytest.raises(ValueError, match="token ids"):
+            cache.match_prefix([1, 2, bad, 0])
+    cache.check_integrity()
+    assert sorted(cache.reset()) == [0, 1, 2, 3, 4, 5]
+    assert cache.insert([7, 8], [0, 1]) == 0
+    cache.check_integrity()
+
+
+def test_match_slots_survive_later_splits_and_evictions() -> None:
+    """A result's slots are those of the prefix when it was matched, read later or not."""
+    cache = RadixCache()
+    cache.insert([1, 2, 3, 4, 5, 6], [10, 11, 12, 13, 14, 15])
+    hit = cache.match_prefix([1, 2, 3, 4, 5, 6])
+    early = cache.match_prefix([1, 2, 3, 4, 5, 6])
+    assert early.slots == [10, 11, 12, 13, 14, 15]
+    cache.match_prefix([1, 2, 9])  # splits the node after [1, 2]
+    cache.insert([1, 2, 3, 4, 7], [10, 11, 12, 13, 20])  # and after [1, 2, 3, 4]
+    assert hit.slots == early.slots
+    cache._compact_min = 0  # evictions that leave half the slot slab dead compact it
+    kept = cache.match_prefix([1, 2, 3, 4, 7])
+    cache.lock(kept.last_node)
+    assert sorted(cache.evict(100)) == [14, 15]
+    cache._compact()  # live nodes move to a new slab, the evicted leaf keeps the old one
+    assert len(cache._slab) == 5
+    assert hit.slots == early.slots and hit.length == 6
+    assert kept.slots == [10, 11, 12, 13, 20]
+    assert cache.match_prefix([1, 2, 3, 4, 7, 8]).slots == [10, 11, 12, 13, 20]
+    cache.check_integrity()
+    cache.unlock(kept.last_node)
+    assert sorted(cache.evict(100)) == [10, 11, 12, 13, 20]
+    assert cache._slab == []  # all dead: compacted by evict itself
+    assert kept.slots == [10, 11, 12, 13, 20] and hit.slots == early.slots
+    cache.check_integrity()
