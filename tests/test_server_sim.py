@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import signal
 import socket
@@ -119,4 +121,23 @@ def test_a_port_in_use_fails_at_once_with_a_message():
 def test_ctrl_c_stops_it_cleanly():
     server = ServerProcess(["--sim", "tiny-cpu"])
     server.stop(sig=signal.SIGINT)  # exit code 0, no process or IPC socket left
+    assert not server.errors(), server.output()
+
+
+def test_stopping_ends_running_streams_with_an_error_event():
+    server = ServerProcess(["--sim", "tiny-cpu", "--graceful-shutdown-secs", "0.5"])
+    try:
+        conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": "a long story",
+                     "max_tokens": 20_000, "stream": True, "ignore_eos": True}))  # fmt: skip
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.readline().startswith(b"data: ")
+        server.proc.send_signal(signal.SIGTERM)
+        *_, error, done = resp.read().decode().strip().split("\n\n")
+        conn.close()
+        assert done == "data: [DONE]"
+        assert json.loads(error[len("data: ") :])["error"]["code"] == "server_shutting_down"
+        assert server.proc.wait(15) == 0
+    finally:
+        server.stop()
     assert not server.errors(), server.output()

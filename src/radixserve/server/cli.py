@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from radixserve.engine.launch import EngineProcesses
 
 log = logging.getLogger("radixserve.server")
-GRACEFUL_SHUTDOWN_S = 5  # open streams are cut after this once told to stop
+FLUSH_S = 1.0  # time left to send the 503s of requests ended at shutdown, before uvicorn cuts
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -122,7 +122,8 @@ async def serve(config: ServerConfig, engine: EngineProcesses, sock: socket.sock
     app = create_app(config, engine)
     server = uvicorn.Server(uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.log_level,
-        access_log=config.access_log, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        access_log=config.access_log,
+        timeout_graceful_shutdown=config.graceful_shutdown_secs + FLUSH_S,
     ))  # fmt: skip
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not task.done():
@@ -132,4 +133,15 @@ async def serve(config: ServerConfig, engine: EngineProcesses, sock: socket.sock
         name = app.state.server.model_name
         host = f"[{config.host}]" if ":" in config.host else config.host
         print(f"radixserve: serving {name} on http://{host}:{port}", flush=True)
+    await _end_requests_at_exit(server, task, app.state.server, config.graceful_shutdown_secs)
     await task
+
+
+async def _end_requests_at_exit(server: Any, task: asyncio.Task, state: Any, grace: float) -> None:
+    """Once told to stop, give running requests ``grace`` seconds, then end them with a 503:
+    a stream then closes with an error event and ``[DONE]`` rather than being cut mid-way."""
+    while not server.should_exit and not task.done():
+        await asyncio.sleep(0.2)
+    done, _ = await asyncio.wait({task}, timeout=grace)
+    if not done and (n := state.fail_all("the server is shutting down")):
+        log.warning("ended %d running request(s): the server is shutting down", n)

@@ -31,12 +31,17 @@ class ServerConfig:
         "info", "log level", choices=("critical", "error", "warning", "info", "debug")
     )
     access_log: bool = _f(False, "log every HTTP request (costs CPU under load)")
+    graceful_shutdown_secs: float = _f(
+        5.0, "once told to stop, requests still running after this end with a 503"
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_payload_size < 1 or self.max_batch_size < 1:
             raise ValueError("max_payload_size and max_batch_size must be >= 1")
+        if not self.graceful_shutdown_secs >= 0:
+            raise ValueError("graceful_shutdown_secs must be >= 0")
 
     def public(self) -> dict[str, Any]:
         """Settings safe to show on /get_server_info (no secrets)."""

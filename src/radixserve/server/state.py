@@ -8,7 +8,7 @@ import hmac
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
@@ -34,6 +34,7 @@ class ServerState:
     model_name: str
     window: int  # most tokens one request may hold: the context, or the KV pool if smaller
     started: float
+    live: set[Generation] = field(default_factory=set)  # requests now generating
 
     @classmethod
     def create(cls, config: ServerConfig, engine: EngineProcesses) -> ServerState:
@@ -106,7 +107,14 @@ class ServerState:
         """Send ``inputs`` to the engine; the caller must ``close()`` what this returns."""
         self.check_batch(len(inputs))
         tracks = [self.metrics.track(start) for _ in inputs]
-        return Generation(self.tm, inputs, tracks)
+        return Generation(self.tm, inputs, tracks, self.live)
+
+    def fail_all(self, message: str) -> int:
+        """End every request still generating with a 503; returns how many there were."""
+        live = list(self.live)
+        for gen in live:
+            gen.fail(RequestError(message, 503, "server_shutting_down"))
+        return len(live)
 
 
 async def read_json(request: Request, model: type[M], limit: int) -> M:

@@ -28,8 +28,11 @@ class Generation:
     """
 
     def __init__(
-        self, tm: TokenizerManager, inputs: Sequence[GenerateInput], tracks: list[RequestTrack]
-    ) -> None:
+        self, tm: TokenizerManager, inputs: Sequence[GenerateInput], tracks: list[RequestTrack],
+        live: set[Generation],
+    ) -> None:  # fmt: skip
+        self._live = live  # every open Generation of the server, this one until it is closed
+        live.add(self)
         self._queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         self._open = len(inputs)
         self.choices = [Choice(i) for i in range(len(inputs))]
@@ -74,8 +77,14 @@ class Generation:
 
     def close(self) -> None:
         """Abort every choice still running (a no-op for those that finished)."""
+        self._live.discard(self)
         for task in self._tasks:
             task.cancel()
+
+    def fail(self, error: Exception) -> None:
+        """Abort every choice; the consumer gets the outputs so far, then ``error`` is raised."""
+        self.close()
+        self._queue.put_nowait((0, error))
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
