@@ -233,6 +233,21 @@ def test_overloaded_worker_gets_no_new_prefixes() -> None:
     assert policy.select(views(90, 10, 10, 10), RequestView.from_prompt("n" * 99), 2.0) != 0
 
 
+def test_a_momentary_load_spike_does_not_cost_a_worker_its_new_prefixes() -> None:
+    policy = CacheAwarePolicy(NO_EVICTION)
+    rng = random.Random(2)
+    for wid in ("w1", "w2", "w3"):
+        policy.on_dispatch(wid, RequestView.from_prompt(prompt(rng, 2000)), now=0.0)
+    for t in range(10):  # ten seconds of even load
+        policy.select(views(3, 3, 3, 3), RequestView.from_prompt("probe"), now=float(t))
+    new = RequestView.from_prompt(prompt(rng, 2000))
+    # w0 (the smallest tree) stalls for 5 ms and gathers the in-flight requests: still its turn.
+    assert policy.select(views(11, 0, 0, 1), new, now=10.005) == 0
+    # Busy for seconds: then new prefixes go elsewhere.
+    picks = [policy.select(views(11, 0, 0, 1), new, now=10.0 + k / 10) for k in range(1, 40)]
+    assert picks[-1] != 0
+
+
 def test_imbalance_only_diverts_the_overloaded_workers_traffic() -> None:
     policy = CacheAwarePolicy(NO_EVICTION)
     rng = random.Random(1)
