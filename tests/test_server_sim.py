@@ -118,13 +118,8 @@ def test_a_port_in_use_fails_at_once_with_a_message():
     assert "starting the engine" not in done.stdout  # refused before any engine was started
 
 
-def test_ctrl_c_stops_it_cleanly():
-    server = ServerProcess(["--sim", "tiny-cpu"])
-    server.stop(sig=signal.SIGINT)  # exit code 0, no process or IPC socket left
-    assert not server.errors(), server.output()
-
-
-def test_stopping_ends_running_streams_with_an_error_event():
+def test_ctrl_c_ends_running_streams_with_an_error_event_and_exits_cleanly():
+    """(SIGTERM does the same: the sim_server fixture stops that way.)"""
     server = ServerProcess(["--sim", "tiny-cpu", "--graceful-shutdown-secs", "0.5"])
     try:
         conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
@@ -132,12 +127,12 @@ def test_stopping_ends_running_streams_with_an_error_event():
                      "max_tokens": 20_000, "stream": True, "ignore_eos": True}))  # fmt: skip
         resp = conn.getresponse()
         assert resp.status == 200 and resp.readline().startswith(b"data: ")
-        server.proc.send_signal(signal.SIGTERM)
+        server.proc.send_signal(signal.SIGINT)
         *_, error, done = resp.read().decode().strip().split("\n\n")
         conn.close()
         assert done == "data: [DONE]"
         assert json.loads(error[len("data: ") :])["error"]["code"] == "server_shutting_down"
         assert server.proc.wait(15) == 0
     finally:
-        server.stop()
+        server.stop()  # no process or IPC socket left
     assert not server.errors(), server.output()
