@@ -6,13 +6,14 @@ accounting. Pure Python: no torch, no I/O, no clock (access order is a logical c
 Rule for callers: lock the node a match returned (``lock(result.last_node)``) before using its
 slots across a step that may evict, and unlock it exactly once when done.
 
-Token ids must be ints in [0, 2**64) (ValueError otherwise). Speed comes from the key format:
+Token ids must be ints in [0, 2**64) (ValueError otherwise). Speed comes from the storage:
 each node's tokens are an ``array('I')`` (``array('Q')`` once an id >= 2**32 has been seen), and
 a match or insert turns the caller's list into one with a single C pass (``array.fromlist``,
 about as cheap as reading the list once), after which every comparison is a C compare of raw
-bytes. Comparing Python lists instead costs a rich
-compare per token whenever the caller's ints are not the very objects that were inserted, which
-is always the case for a newly tokenized request.
+bytes. Comparing Python lists instead costs a rich compare per token whenever the caller's ints
+are not the very objects that were inserted, which is always the case for a newly tokenized
+request. Slot ids live in one list per cache (the slab, see ``reset``), so the garbage collector
+has no per-node list to traverse and a split copies nothing.
 """
 
 from __future__ import annotations
