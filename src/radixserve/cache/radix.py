@@ -196,6 +196,7 @@ class RadixCache:
         self._dead = 0  # slab entries that belong to evicted nodes
         self.root = TreeNode(array("I"), self._slab, 0, 0, None, 0)
         self.root.lock_ref = 1
+        self._namespaces = self.root.children  # namespace -> its root
         self._evictable = 0
         self._protected = 0
         return freed
@@ -240,8 +241,10 @@ class RadixCache:
         if type(tokens) is not list:
             tokens = list(tokens)
         page = self.page_size
-        end = len(tokens) - len(tokens) % page
-        node = self.root.children.get(namespace) or self.namespace_root(namespace)
+        end = len(tokens)
+        if page != 1:
+            end -= end % page
+        node = self._namespaces.get(namespace) or self.namespace_root(namespace)
         self._tick = tick = self._tick + 1
         if not end:
             return MatchResult(None, node, 0)
@@ -280,8 +283,10 @@ class RadixCache:
         if type(tokens) is not list:
             tokens = list(tokens)
         page = self.page_size
-        end = len(tokens) - len(tokens) % page
-        node = self.root.children.get(namespace) or self.namespace_root(namespace)
+        end = len(tokens)
+        if page != 1:
+            end -= end % page
+        node = self._namespaces.get(namespace) or self.namespace_root(namespace)
         self._tick = tick = self._tick + 1
         if not end:
             return 0
