@@ -44,28 +44,44 @@ class SlotAllocator:
         The unused tail of the last page stays reserved for the same owner (see ``extend``)."""
         if num_tokens < 0:
             raise ValueError(f"cannot allocate {num_tokens} slots")
-        pages = self.pages_for(num_tokens)
-        if pages > len(self._free_pages):
+        p, free = self.page_size, self._free_pages
+        pages = -(-num_tokens // p)
+        if pages > len(free):
             raise SlotError(f"out of KV slots: need {num_tokens}, have {self.available()}")
-        p = self.page_size
-        out: list[int] = []
-        for _ in range(pages):
-            page = self._free_pages.pop()
+        if pages == 1:  # a decode step: one page per request
+            page = free.pop()
             self._in_use[page] = 1
-            out.extend(range(page * p, page * p + p))
-        return out[:num_tokens]
+            return [page] if p == 1 else list(range(page * p, page * p + num_tokens))
+        if not pages:
+            return []
+        # the same pages, in the same order, as popping them one by one
+        taken = free[-pages:]
+        del free[-pages:]
+        taken.reverse()
+        in_use = self._in_use
+        for page in taken:
+            in_use[page] = 1
+        if p == 1:
+            return taken
+        out = [s for page in taken for s in range(page * p, page * p + p)]
+        del out[num_tokens:]
+        return out
 
     def free(self, slots: Sequence[int]) -> None:
         """Return the pages holding ``slots`` (every slot of a page must be the caller's)."""
-        pages = sorted({s // self.page_size for s in slots})
-        for page in pages:
-            if not 0 <= page < self.num_pages:
+        p = self.page_size
+        pages = sorted(set(slots) if p == 1 else {s // p for s in slots})
+        if not pages:
+            return
+        in_use, outside = self._in_use, pages[0] < 0 or pages[-1] >= self.num_pages
+        for page in pages:  # errors name the lowest bad page
+            if outside and not 0 <= page < self.num_pages:
                 raise SlotError(f"slot page {page} is outside the pool")
-            if not self._in_use[page]:
+            if not in_use[page]:
                 raise SlotError(f"double free, or free of a never-allocated slot (page {page})")
         for page in pages:
-            self._in_use[page] = 0
-            self._free_pages.append(page)
+            in_use[page] = 0
+        self._free_pages += pages
 
 
 @dataclass(slots=True)
@@ -104,19 +120,21 @@ class RequestSlotTable:
     def extend_cost(self, rid: str, n: int) -> int:
         """Fresh slots (whole pages) that ``extend(rid, n)`` would take from the allocator."""
         e = self._entries[rid]
-        return self.allocator.page_size * self.allocator.pages_for(max(0, n - self._tail_room(e)))
-
-    def _tail_room(self, e: _Entry) -> int:
-        own = len(e.slots) - e.owned_from
-        return -own % self.allocator.page_size
+        p = self.allocator.page_size
+        short = n - (-(len(e.slots) - e.owned_from) % p)  # minus the room left in the last page
+        return -(-short // p) * p if short > 0 else 0
 
     def extend(self, rid: str, n: int) -> list[int]:
         """Slots for ``n`` more positions: the rest of the last owned page first, then new pages."""
         e = self._entries[rid]
-        room = min(self._tail_room(e), n)
-        new = list(range(e.slots[-1] + 1, e.slots[-1] + 1 + room)) if room else []
-        new += self.allocator.alloc(n - room)
-        e.slots.extend(new)
+        slots = e.slots
+        room = min(-(len(slots) - e.owned_from) % self.allocator.page_size, n)
+        if room:
+            new = list(range(slots[-1] + 1, slots[-1] + 1 + room))
+            new += self.allocator.alloc(n - room)
+        else:
+            new = self.allocator.alloc(n)
+        slots += new
         return new
 
     def adopt_prefix(self, rid: str, cached_slots: Sequence[int]) -> None:
@@ -128,10 +146,9 @@ class RequestSlotTable:
             raise ValueError("adopted prefix must be whole pages within the request")
         if n <= e.owned_from:
             return
-        own = e.slots[e.owned_from : n]
-        dupes = [s for s, c in zip(own, cached_slots[e.owned_from :]) if s != c]
-        if dupes:
-            self.allocator.free(dupes)
+        own, theirs = e.slots[e.owned_from : n], cached_slots[e.owned_from : n]
+        if own != theirs:  # compared in C: usually the tree took the request's own slots
+            self.allocator.free([s for s, c in zip(own, theirs) if s != c])
         e.slots[:n] = cached_slots
         e.owned_from = n
 

@@ -117,21 +117,14 @@ class CostModel:
 
     def step_time(self, entries: Iterable[StepEntry | tuple[int, int, bool]]) -> float:
         """Seconds one forward step over ``entries`` takes (0 for an empty step)."""
-        return self.step_cost(entries).total
+        return self.timer()(entries)
 
     def step_cost(self, entries: Iterable[StepEntry | tuple[int, int, bool]]) -> StepCost:
-        batch = [StepEntry(*e) for e in entries]
-        tokens = sum(e.num_new_tokens for e in batch)
-        if tokens == 0:
-            return StepCost(0.0, 0.0, 0.0, 0.0)
-        attention = self._attention_time([e for e in batch if e.is_prefill])
-        attention += self._attention_time([e for e in batch if not e.is_prefill])
-        return StepCost(
-            linear=self._linear_time(tokens),
-            attention=attention,
-            allreduce=self._allreduce_time(tokens),
-            overhead=self.step_overhead_s,
-        )
+        return StepCost(*self.timer().phases(entries))
+
+    def timer(self) -> StepTimer:
+        """``step_time`` with this model's constants worked out once (the simulator's hot path)."""
+        return StepTimer(self)
 
     def _roofline(self, flops: float, nbytes: float) -> float:
         compute = flops / (self.gpu.peak_flops * self.compute_efficiency)
@@ -164,6 +157,60 @@ class CostModel:
         wire = 2 * (self.tp - 1) / self.tp * nbytes
         one = wire / (self.gpu.link_bandwidth * self.link_efficiency) + self.allreduce_latency_s
         return 2 * self.model.num_layers * one
+
+
+class StepTimer:
+    """A cost model's ``step_time`` with its constants folded: one pass over the entries, the
+    same float operations in the same order, so the times are equal to the bit."""
+
+    __slots__ = (
+        "_lin_flops", "_tp", "_compute", "_memory", "_lin_memory", "_attn", "_kv_bytes",
+        "_allreduce", "_overhead",
+    )  # fmt: skip
+
+    def __init__(self, cm: CostModel) -> None:
+        m = cm.model
+        self._tp = cm.tp
+        self._compute = cm.gpu.peak_flops * cm.compute_efficiency
+        self._memory = cm.gpu.mem_bandwidth * cm.bandwidth_efficiency
+        self._lin_flops = 2 * m.num_params
+        self._lin_memory = m.weight_bytes / cm.tp / self._memory
+        self._attn = 4 * m.num_layers * m.hidden_size
+        self._kv_bytes = cm.kv_bytes_per_token_per_gpu
+        self._allreduce = cm._allreduce_time
+        self._overhead = cm.step_overhead_s
+
+    def __call__(self, entries: Iterable[StepEntry | tuple[int, int, bool]]) -> float:
+        linear, attention, allreduce, overhead = self.phases(entries)
+        return linear + attention + allreduce + overhead
+
+    def phases(
+        self, entries: Iterable[StepEntry | tuple[int, int, bool]]
+    ) -> tuple[float, float, float, float]:
+        """(linear, attention, allreduce, overhead) seconds, as ``StepCost`` holds them."""
+        attn, kvb = self._attn, self._kv_bytes
+        tokens = n_pre = n_dec = 0
+        pre_flops = pre_bytes = dec_flops = dec_bytes = 0.0
+        for new, ctx, is_prefill in entries:
+            tokens += new
+            # see CostModel._attention_time: QK^T and AV over the context plus half the new
+            if is_prefill:
+                n_pre += 1
+                pre_flops += attn * new * (ctx + new / 2)
+                pre_bytes += kvb * (ctx + new)
+            else:
+                n_dec += 1
+                dec_flops += attn * new * (ctx + new / 2)
+                dec_bytes += kvb * (ctx + new)
+        if tokens == 0:
+            return 0.0, 0.0, 0.0, 0.0
+        attention = self._roofline(pre_flops, pre_bytes) if n_pre else 0.0
+        attention += self._roofline(dec_flops, dec_bytes) if n_dec else 0.0
+        linear = max(self._lin_flops * tokens / self._tp / self._compute, self._lin_memory)
+        return linear, attention, self._allreduce(tokens), self._overhead
+
+    def _roofline(self, flops: float, nbytes: float) -> float:
+        return max(flops / self._tp / self._compute, nbytes / self._memory)
 
 
 # Model shapes from the Llama 3 model cards and config.json (meta-llama/Meta-Llama-3-8B and

@@ -45,6 +45,7 @@ class SimRunner:
         if isinstance(cost_model, str):
             cost_model = get_cost_model(cost_model)
         self.cost_model = cost_model
+        self._step_time = cost_model.timer()
         self.vocab_size = vocab_size
         self.seed = seed
         self.eos_token_id = eos_token_id
@@ -52,13 +53,21 @@ class SimRunner:
         self._eos_threshold = int(eos_prob * (1 << 32))
 
     def run(self, batch: Batch) -> StepResult:
-        tokens = [self._sample(e) for e in batch.entries]
-        duration = self.cost_model.step_time(step_entries(batch))
+        entries = batch.entries
+        tokens = [self._sample(e) for e in entries]
+        duration = self._step_time([(len(e.token_ids), e.start_pos, e.is_prefill) for e in entries])
         return StepResult(next_token_ids=tokens, duration=duration)
 
     def next_token(self, last_token: int, seq_len: int) -> int:
         """The token that follows a context of ``seq_len`` tokens ending in ``last_token``."""
-        h = _mix64(_mix64(self.seed ^ (last_token & _MASK64)) ^ seq_len)
+        # _mix64(_mix64(seed ^ last_token) ^ seq_len), inlined: this runs once per token
+        x = ((self.seed ^ (last_token & _MASK64)) + 0x9E3779B97F4A7C15) & _MASK64
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+        x = ((x ^ (x >> 31) ^ seq_len) + 0x9E3779B97F4A7C15) & _MASK64
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+        h = x ^ (x >> 31)
         if self.eos_token_id is not None and (h >> 32) < self._eos_threshold:
             return self.eos_token_id
         token = h % self.vocab_size
@@ -83,7 +92,7 @@ class SimRunner:
     def _sample(self, entry: BatchEntry) -> int | None:
         if not entry.sample:
             return None
-        return self.next_token(entry.token_ids[-1], entry.seq_len)
+        return self.next_token(entry.token_ids[-1], entry.start_pos + len(entry.token_ids))
 
 
 def step_entries(batch: Batch) -> list[StepEntry]:
