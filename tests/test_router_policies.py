@@ -3,6 +3,7 @@ Covers each policy's basic choice and cache_aware's locality, balance and failur
 
 from __future__ import annotations
 
+import math
 import random
 import string
 from collections import Counter, defaultdict
@@ -246,6 +247,34 @@ def test_a_momentary_load_spike_does_not_cost_a_worker_its_new_prefixes() -> Non
     # Busy for seconds: then new prefixes go elsewhere.
     picks = [policy.select(views(11, 0, 0, 1), new, now=10.0 + k / 10) for k in range(1, 40)]
     assert picks[-1] != 0
+
+
+def test_a_hot_prefix_spills_only_its_holders_excess() -> None:
+    policy = CacheAwarePolicy(NO_EVICTION)
+    hot, cold = "h" * 800, "c" * 800
+    policy.on_dispatch("w0", RequestView.from_prompt(hot), now=0.0)
+    policy.on_dispatch("w1", RequestView.from_prompt(cold), now=0.0)
+    rng, sent = random.Random(3), {"hot": Counter[int](), "cold": Counter[int]()}
+    for step in range(1000):  # 60% of the traffic shares one prefix; loads stay even
+        group = "hot" if rng.random() < 0.6 else "cold"
+        ask = RequestView.from_prompt((hot if group == "hot" else cold) + f"{step}")
+        pick = policy.select(views(2, 2), ask, now=step / 100)
+        policy.on_dispatch(f"w{pick}", ask, now=step / 100)
+        sent[group][pick] += 1
+    assert sent["cold"][0] == 0  # the cold prefix's holder was never over its share
+    hot_share = sent["hot"][0] / sum(sent["hot"].values())
+    assert 0.75 < hot_share < 0.9  # home keeps most; only the excess (~17%) moved
+    total = [sent["hot"][i] + sent["cold"][i] for i in (0, 1)]
+    assert max(total) <= 1.05 * sum(total) / 2 + 36
+
+
+def test_share_slack_inf_keeps_every_hit_home() -> None:
+    policy = CacheAwarePolicy(CachePolicyConfig(eviction_interval_secs=0, share_slack=math.inf))
+    policy.on_dispatch("w0", RequestView.from_prompt("h" * 800), now=0.0)
+    for step in range(300):
+        ask = RequestView.from_prompt("h" * 800 + f"{step}")
+        assert policy.select(views(2, 2), ask, now=float(step)) == 0
+        policy.on_dispatch("w0", ask, now=float(step))
 
 
 def test_imbalance_only_diverts_the_overloaded_workers_traffic() -> None:

@@ -46,6 +46,11 @@ class RouterConfig:
     balance_rel_threshold: float = _f(
         _POLICY.balance_rel_threshold, "cache_aware: load ratio tolerated for locality"
     )
+    share_slack: float = _f(
+        _POLICY.share_slack,
+        "cache_aware: a prefix's holder sent more than this fraction above the mean share of "
+        "recent requests spills hits to the least-sent worker (inf: never)",
+    )
     eviction_interval_secs: float = _f(
         _POLICY.eviction_interval_secs, "cache_aware: seconds between tree evictions (0: never)"
     )
@@ -103,6 +108,7 @@ class RouterConfig:
             balance_rel_threshold=self.balance_rel_threshold,
             eviction_interval_secs=self.eviction_interval_secs,
             max_tree_size=self.max_tree_size,
+            share_slack=self.share_slack,
         )
 
     def health_config(self) -> HealthConfig:
