@@ -4,8 +4,8 @@ Prompts are 2,000 tokens: a third extend a cached 1,000-token group prefix, a th
 1,500-token one (10 groups each), a third are cold; default budgets. The pass (index refresh,
 policy order, admission) is reported apart from the whole step, which adds KV allocation and
 batch building (per admitted token, not per waiting request). Between passes (untimed) the
-batch's output is applied, the admitted requests are aborted and as many fresh ones queued, so
-the queue length stays put. The baseline, measured on the same queue in the same run, is
+batch's output is applied, the admitted requests are aborted and as many fresh ones of the same
+kinds queued, so the queue's length and mix stay put (use --passes 300 for a steady state). The baseline, measured on the same queue in the same run, is
 SGLang's approach: re-match every waiting request and sort.
 
     python benchmarks/schedule_bench.py [--sizes 128 1000 10000] [--passes 30]
@@ -43,15 +43,16 @@ class Workload:
         start = (i * 97) % (POOL - 20 * GROUPS * PROMPT)  # distinct first token per request
         return self.tokens[start : start + n]
 
-    def request(self) -> Req:
+    def request(self, kind: int | None = None) -> Req:
+        """The next request; of ``kind`` (0: 1,000-token prefix, 1: 1,500, 2: cold) if given."""
         i = next(self.counter)
-        kind = i % 3
+        kind = i % 3 if kind is None else kind
         if kind == 2:
             ids = self._unique(i, PROMPT)
         else:
             prefix = self.prefixes[1000 if kind == 0 else 1500][i // 3 % GROUPS]
             ids = prefix + self._unique(i, PROMPT - len(prefix))
-        return Req(f"r{i}", ids, SamplingParams(max_new_tokens=16))
+        return Req(f"k{kind}-{i}", ids, SamplingParams(max_new_tokens=16))
 
 
 def fake_result(batch: Batch) -> StepResult:
@@ -95,9 +96,9 @@ def timed_passes(
         passes_ms.append(steps_ms[-1] - spent[0] * 1e3)
         assert batch is not None
         sched.on_output(batch, fake_result(batch))
-        for e in batch.entries:
-            sched.abort(e.rid)
-            sched.add_request(work.request())
+        for e in batch.entries:  # replace each admitted request by one of its kind, so the
+            sched.abort(e.rid)  # queue keeps the workload's mix (LPM admits the hot ones)
+            sched.add_request(work.request(kind=int(e.rid[1])))
         admitted += len(batch.entries)
     rematched = (sched.index.refreshed - refreshed) / passes
     return statistics.median(passes_ms), statistics.median(steps_ms), admitted / passes, rematched
@@ -132,7 +133,7 @@ def main() -> None:
             sched.check_integrity()
             print(
                 f"{policy:<11}{n:>8}{ms:>9.3f}{ms * 1e3 / n:>8.3f}{step_ms:>9.2f}{adm:>6.1f}{rem:>8.1f}"
-                f"{naive:>10.1f}{naive * 1e3 / n:>8.2f}{naive / ms:>10.0f}x"
+                f"{naive:>10.1f}{naive * 1e3 / n:>8.2f}{naive / ms:>10.1f}x"
             )
     print("pass: index refresh + policy order + admission (what SGLang's LPM pass does);")
     print("step: the whole step(), adding KV allocation and batch building for what it admits")

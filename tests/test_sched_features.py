@@ -3,11 +3,13 @@ registry, in-batch prefix dedupe, the PrefillAdder's budgets, retraction order, 
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
 
 from radixserve.config import CacheConfig, SchedulerConfig
+from radixserve.sched.keyed_heap import KeyedHeap
 from radixserve.sched.policy import POLICIES
 from radixserve.sched.request import Req
 from radixserve.sched.scheduler import Scheduler
@@ -318,3 +320,20 @@ def test_a_chunked_prompt_is_cached_after_each_chunk() -> None:
     sched.add_request(twin)
     drive(sched, runner)
     assert twin.cached_tokens == 192
+
+
+def test_keyed_heap_drops_requests_that_leave_from_the_front() -> None:
+    # admitted requests leave from the front of the order; if their stale entries stayed at the
+    # top, every pass would walk all of them until the next compaction (O(queue) per pass)
+    heap = KeyedHeap()
+    reqs = [make_req(f"r{i}", [1]) for i in range(3000)]
+    for i, r in enumerate(reqs[:1000]):
+        heap.put(r, (i,))
+    for start in range(0, 2000, 20):
+        front = list(itertools.islice(heap, 20))
+        for r in front:
+            heap.discard(r)
+        for i in range(1000 + start, 1020 + start):
+            heap.put(reqs[i], (i,))
+        assert len(heap._heap) == len(heap) == 1000
+    assert [r.rid for r in itertools.islice(heap, 3)] == ["r2000", "r2001", "r2002"]

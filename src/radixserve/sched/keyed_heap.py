@@ -18,7 +18,9 @@ class KeyedHeap:
     Iteration yields live requests in key order *without popping them*: a small frontier heap
     walks the heap array (a child is never smaller than its parent), so taking the first k
     costs O(k log k) whatever the size. Stale entries are skipped and compacted away once they
-    outnumber live ones, which keeps puts amortised O(log n).
+    outnumber live ones, which keeps puts amortised O(log n); stale entries that reach the top
+    are popped at once, because requests leave from the front (admitted in key order): left
+    there, every pass would walk all of them until the next compaction.
     """
 
     def __init__(self) -> None:
@@ -39,9 +41,16 @@ class KeyedHeap:
         if len(self._heap) > 2 * len(self._ver) + 64:
             self._heap = [e for e in self._heap if self._ver.get(e[2]) == e[1]]
             heapq.heapify(self._heap)
+        self._trim()
 
     def discard(self, req: Req) -> None:
         self._ver.pop(req, None)
+        self._trim()
+
+    def _trim(self) -> None:
+        heap, ver = self._heap, self._ver
+        while heap and ver.get(heap[0][2]) != heap[0][1]:
+            heapq.heappop(heap)
 
     def __iter__(self) -> Iterator[Req]:
         heap, ver = self._heap, self._ver

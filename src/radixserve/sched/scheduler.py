@@ -264,6 +264,8 @@ class Scheduler:
             self._retract(req)
         for req in fresh:
             self._start_running(req)
+        # evict for the whole batch at once: each eviction walks the tree
+        self.kv.ensure_free(sum(self.kv.extend_cost(a.req, a.extend_len) for a in adder.admitted))
         entries = []
         for adm in adder.admitted:
             req = adm.req
