@@ -13,13 +13,18 @@ TINY_SERVER_ARGS = ("--max-total-tokens", "4096", "--context-length", "128",
 
 
 @pytest.fixture(scope="session")
-def tiny_server(tmp_path_factory):
-    """`radixserve serve` on a tiny random-weight Llama; stopped (no orphans) at the end."""
+def tiny_model_dir(tmp_path_factory):
+    """A tiny random-weight Llama HF directory with a chat template and a tokenizer."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from tiny_models import build_tiny_model
 
-    model_dir = build_tiny_model("llama3", tmp_path_factory.mktemp("tiny-server"))
-    server = ServerProcess(["--model", str(model_dir), *TINY_SERVER_ARGS])
+    return build_tiny_model("llama3", tmp_path_factory.mktemp("tiny-server"))
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_model_dir):
+    """`radixserve serve` on the tiny model; stopped (no orphans) at the end."""
+    server = ServerProcess(["--model", str(tiny_model_dir), *TINY_SERVER_ARGS])
     yield server
     server.stop()

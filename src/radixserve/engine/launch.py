@@ -126,8 +126,13 @@ def launch(config: EngineConfig) -> EngineProcesses:
     ]  # fmt: skip
     for p in procs:
         p.start()
-    engine = EngineProcesses(config, endpoints, procs, spec.load(), {})
-    status, payload = _wait_ready(engine, parent)
+    engine = EngineProcesses(config, endpoints, procs, None, {})
+    try:
+        engine.tokenizer = spec.load()
+        status, payload = _wait_ready(engine, parent)
+    except BaseException:  # interrupted while the model loads: stop the children, remove sockets
+        engine.shutdown()
+        raise
     if status != "ready":
         engine.shutdown()
         raise EngineStartError(f"the scheduler process failed to start: {payload}")

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from radixserve.engine.launch import EngineProcesses
 
 log = logging.getLogger("radixserve.server")
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 FLUSH_S = 1.0  # time left to send the 503s of requests ended at shutdown, before uvicorn cuts
 
 
@@ -47,7 +48,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def run(args: argparse.Namespace) -> int:
     """Bind the address first (a port in use fails at once, not after loading the model), then
     launch the engine, then listen: the server is ready once it accepts connections."""
-    from radixserve.engine.launch import EngineConfig, EngineStartError, launch
+    from radixserve.engine.launch import EngineConfig
 
     try:
         server = from_args(ServerConfig, args)
@@ -64,24 +65,41 @@ def run(args: argparse.Namespace) -> int:
         print(f"radixserve serve: cannot listen on {server.host}:{server.port}: {e}",
               file=sys.stderr)  # fmt: skip
         return 1
+    previous = {s: signal.signal(s, _interrupt) for s in STOP_SIGNALS}
+    try:
+        return _launch_and_serve(server, engine_config, sock)
+    except KeyboardInterrupt:  # SIGINT or SIGTERM while the engine starts
+        print("radixserve serve: stopped while starting the engine", file=sys.stderr)
+        return 1
+    finally:
+        sock.close()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _launch_and_serve(server: ServerConfig, engine_config: Any, sock: socket.socket) -> int:
+    from radixserve.engine.launch import EngineStartError, launch
+
     what = f"simulated {server.sim}" if server.sim else (engine_config.model.model or "built-in")
     print(f"radixserve: starting the engine ({what})", flush=True)
-    with sock:
-        try:
-            engine = launch(engine_config)
-        except EngineStartError as e:
-            print(f"radixserve serve: {e}", file=sys.stderr)
-            return 1
-        # uvicorn stops on SIGINT or SIGTERM and then raises the same signal again, whose
-        # default action would end this process before the engine is shut down
-        previous = {s: signal.signal(s, _stopped) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            _run_loop(serve(server, engine, sock))
-        finally:
-            engine.shutdown()
-            for s, handler in previous.items():
-                signal.signal(s, handler)
+    try:
+        engine = launch(engine_config)
+    except EngineStartError as e:
+        print(f"radixserve serve: {e}", file=sys.stderr)
+        return 1
+    # uvicorn stops on SIGINT or SIGTERM and then raises the same signal again, whose action
+    # (here, or by default) would end this process before the engine is shut down
+    for s in STOP_SIGNALS:
+        signal.signal(s, _stopped)
+    try:
+        _run_loop(serve(server, engine, sock))
+    finally:
+        engine.shutdown()
     return 0
+
+
+def _interrupt(signum: int, _: Any) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def _stopped(signum: int, _: Any) -> None:
