@@ -337,3 +337,23 @@ def test_keyed_heap_drops_requests_that_leave_from_the_front() -> None:
             heap.put(reqs[i], (i,))
         assert len(heap._heap) == len(heap) == 1000
     assert [r.rid for r in itertools.islice(heap, 3)] == ["r2000", "r2001", "r2002"]
+
+
+def test_a_tree_change_rematches_only_the_requests_it_can_extend() -> None:
+    rng = random.Random(20)
+    shared = tokens(rng, 200)
+    sched, runner, clock = make(schedule_policy="lpm", max_running_requests=1)
+    sched.add_request(make_req("first", [*shared, 5], 2))
+    followers = [make_req(f"f{i}", shared + tokens(rng, 10), 2) for i in range(3)]
+    firsts = [t for t in range(200) if t != shared[0]]  # so no two cold prompts share a prefix
+    cold = [make_req(f"c{i}", [firsts[i], *tokens(rng, 200)], 2) for i in range(100)]
+    for r in followers + cold:
+        sched.add_request(r)
+    before = sched.index.refreshed
+    drive(sched, runner, clock)  # caches "first", then runs the rest
+    assert sched.index.refreshed - before == 3  # the followers, never the 100 cold ones
+    assert [r.cached_tokens for r in followers] == [200] * 3
+    assert max(r.first_scheduled_time for r in followers) < min(  # type: ignore[type-var]
+        r.first_scheduled_time
+        for r in cold  # type: ignore[misc]
+    )
