@@ -138,6 +138,7 @@ def test_flush_cache_refuses_while_requests_run(tiny_server):
 
 
 def test_metrics_count_requests_tokens_and_latency(tiny_server):
+    generate(tiny_server, text=PROMPT + " counted")  # the second run hits the cache
     before = metrics(tiny_server)
     out = generate(tiny_server, text=PROMPT + " counted")
     after = metrics(tiny_server)
@@ -160,6 +161,7 @@ def test_metrics_count_requests_tokens_and_latency(tiny_server):
         "radixserve_time_to_first_token_seconds_count": 1,
         "radixserve_inter_token_latency_seconds_count": MAX_NEW - 1,
     }
+    assert out["meta_info"]["cached_tokens"] > 0
     assert 0 < after["radixserve_cache_hit_rate"] < 1
 
 
