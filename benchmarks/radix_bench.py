@@ -12,8 +12,9 @@ that were inserted, and each call converts its list itself.
 Rows: "match" is match_prefix returning the length and the last node (what the scheduler's
 prefix index uses, and what SGLang 0.5.23's match_prefix returns); "+slots" also reads the
 result's slot list (what the KV manager does after an insert). The baseline, measured in the
-same run on the same inputs, is a plain pure-Python radix tree that compares keys token by token
-in a Python loop (SGLang's radix cache before it moved to slice compares, lists for values).
+same run on the same inputs (each repeat right after ours), is a plain pure-Python radix tree
+that compares keys token by token in a Python loop (SGLang's radix cache before it moved to
+slice compares, lists for values).
 Times are this process's CPU time by default, as the machine may be shared (--clock wall for
 elapsed time).
 
@@ -162,63 +163,64 @@ def check_inputs(seqs: list[list[int]], queries: dict[str, list[list[int]]]) -> 
 CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
 
 
-def rate(
-    fn: Callable[[], int],
-    repeats: int,
-    clock: Callable[[], float],
-    after: Callable[[], None] = lambda: None,
-) -> float:
-    """Median calls/s of ``fn`` (which returns how many calls it made); ``after`` runs untimed
-    after each run."""
-    rates = []
-    for _ in range(repeats):
-        gc.collect()
-        t0 = clock()
-        calls = fn()
-        rates.append(calls / (clock() - t0))
-        after()
-    return statistics.median(rates)
-
-
 def measure(
-    factory: Callable[[], Any], length: int, repeats: int, clock: Callable[[], float]
-) -> dict[str, float]:
+    factories: dict[str, Callable[[], Any]], length: int, repeats: int, clock: Callable[[], float]
+) -> dict[str, dict[str, float]]:
+    """Median calls/s of every op for every implementation; each repeat runs the
+    implementations back to back, so a noisy neighbour slows them alike."""
     rng = random.Random(length)
     seqs = make_sequences(length, rng)
     slots = [list(range(i * length, (i + 1) * length)) for i in range(len(seqs))]
     queries = make_queries(seqs, rng)
     check_inputs(seqs, queries)
+    full, group, miss = queries["full-hit"], queries["group-hit"], queries["miss"]
 
-    def build() -> Any:
+    def build(factory: Callable[[], Any]) -> Any:
         cache = factory()
         for s, v in zip(seqs, slots):
             cache.insert(s, v)
         return cache
 
-    cache = build()
-    for q, v in zip(queries["full-hit"], slots):  # a full hit ends in the query's own leaf
-        got = cache.match_prefix(q).slots
-        assert len(got) == length and got[-1] == v[-1], "full-hit match returned wrong slots"
-
-    def matches(qs: list[list[int]]) -> Callable[[], int]:
-        return lambda: sum(1 for q in qs if cache.match_prefix(q).length >= 0)
-
-    def matches_with_slots(qs: list[list[int]]) -> Callable[[], int]:
-        return lambda: sum(1 for q in qs if len(cache.match_prefix(q).slots) >= 0)
-
     built: list[Any] = []  # each run's tree is freed after its timing, not inside the next
 
-    def inserts() -> int:
-        built.append(build())
-        return len(seqs)
+    def plan(factory: Callable[[], Any]) -> dict[str, tuple[Callable[[], int], Callable[[], None]]]:
+        cache = build(factory)
+        for q, v in zip(full, slots):  # a full hit ends in the query's own leaf
+            got = cache.match_prefix(q).slots
+            assert len(got) == length and got[-1] == v[-1], "full-hit match returned wrong slots"
 
-    full, group, miss = queries["full-hit"], queries["group-hit"], queries["miss"]
+        def matches(qs: list[list[int]]) -> Callable[[], int]:
+            return lambda: sum(1 for q in qs if cache.match_prefix(q).length >= 0)
+
+        def matches_with_slots(qs: list[list[int]]) -> Callable[[], int]:
+            return lambda: sum(1 for q in qs if len(cache.match_prefix(q).slots) >= 0)
+
+        def inserts() -> int:
+            built.append(build(factory))
+            return len(seqs)
+
+        keep = built.clear
+        return {
+            "full-hit match": (matches(full), keep),
+            "full-hit +slots": (matches_with_slots(full), keep),
+            "group-hit match": (matches(group), keep),
+            "miss match": (matches(miss), keep),
+            "insert": (inserts, keep),
+        }
+
+    plans = {name: plan(factory) for name, factory in factories.items()}
+    rates: dict[str, dict[str, list[float]]] = {name: {} for name in plans}
+    for op in plans[next(iter(plans))]:
+        for _ in range(repeats):
+            for name, ops in plans.items():
+                fn, after = ops[op]
+                gc.collect()
+                t0 = clock()
+                calls = fn()
+                rates[name].setdefault(op, []).append(calls / (clock() - t0))
+                after()
     return {
-        "full-hit match": rate(matches(full), repeats, clock),
-        "full-hit +slots": rate(matches_with_slots(full), repeats, clock),
-        "group-hit match": rate(matches(group), repeats, clock),
-        "miss match": rate(matches(miss), repeats, clock),
-        "insert": rate(inserts, repeats, clock, built.clear),
+        name: {op: statistics.median(r) for op, r in ops.items()} for name, ops in rates.items()
     }
 
 
@@ -236,8 +238,8 @@ def main() -> None:
     print(f"{'op':<16} {'L':>5} {'calls/s':>10} {'Mtok/s':>8} {'loop baseline':>14} "
           f"{'ratio':>6} {'vs SGLang':>9}")  # fmt: skip
     for length in args.lengths:
-        ours = measure(RadixCache, length, args.repeats, clock)
-        base = measure(LoopRadix, length, args.repeats, clock)
+        got = measure({"ours": RadixCache, "base": LoopRadix}, length, args.repeats, clock)
+        ours, base = got["ours"], got["base"]
         for op, r in ours.items():
             ref = SGLANG_REF.get((op, length))
             vs = f"{r / ref:.2f}x" if ref else "-"
