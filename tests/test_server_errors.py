@@ -143,15 +143,24 @@ def test_unknown_paths_and_methods_get_error_bodies(tiny_server):
     assert_error_body(tiny_server.request("DELETE", "/v1/models"), 405)
 
 
-def test_wrong_api_key_is_401(tmp_path_factory):
-    """A server with --api-key refuses requests without it (sim runner: starts in a second)."""
-    server = ServerProcess(["--sim", "tiny-cpu", "--api-key", "sekret"])
+def test_api_key_and_served_model_name():
+    """--api-key: requests without it are a 401; --served-model-name: the name clients use
+    (sim runner: starts in a second)."""
+    server = ServerProcess(["--sim", "tiny-cpu", "--api-key", "sekret",
+                            "--served-model-name", "my-model"])  # fmt: skip
+    key = {"Authorization": "Bearer sekret"}
     try:
         err = assert_error_body(server.post("/v1/completions", {"prompt": "a"}), 401)
         assert err["type"] == "authentication_error"
-        ok = server.post("/v1/completions", {"prompt": "a", "max_tokens": 1},
-                         headers={"Authorization": "Bearer sekret"})  # fmt: skip
-        assert ok.status == 200
+        assert_error_body(server.post("/v1/completions", {"prompt": "a"},
+                                      headers={"Authorization": "Bearer wrong"}), 401)  # fmt: skip
+        assert_error_body(server.request("GET", "/v1/models"), 401)
+        assert server.name == "my-model"
+        models = server.request("GET", "/v1/models", headers=key).json()["data"]
+        assert [m["id"] for m in models] == ["my-model"]
+        ok = server.post("/v1/completions", {"prompt": "a", "max_tokens": 1, "model": "my-model"},
+                         headers=key)  # fmt: skip
+        assert ok.status == 200 and ok.json()["model"] == "my-model"
         assert server.get("/health").status == 200  # probes need no key
     finally:
         server.stop()
