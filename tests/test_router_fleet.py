@@ -2,9 +2,9 @@
 a worker killed mid-load costs no non-streaming request, workers come and go at run time, and
 streams pass through. Workers are identified by the router's own counters, not by their answers.
 
-Worker processes come from `launch_worker`, the one place that knows how to start one: fake
-workers (tests/fake_worker.py) by default; RADIXSERVE_TEST_WORKER=sim starts
-`radixserve serve --sim tiny-cpu` workers instead.
+Worker processes come from `launch_worker`, the one place that knows how to start one:
+`radixserve serve --sim tiny-cpu` workers (the real server, scheduler and radix cache with a
+simulated runner) by default; RADIXSERVE_TEST_WORKER=fake starts tests/fake_worker.py instead.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ pytest.importorskip("httptools")
 from radixserve.router.workers import ConnectionPool  # noqa: E402
 
 FAKE = Path(__file__).with_name("fake_worker.py")
-WORKER_KIND = os.environ.get("RADIXSERVE_TEST_WORKER", "fake")
+WORKER_KIND = os.environ.get("RADIXSERVE_TEST_WORKER", "sim")
 START_TIMEOUT_S = 120.0
 
 
