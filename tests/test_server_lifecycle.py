@@ -18,11 +18,25 @@ from server_harness import ServerProcess, process_tree, wait_gone
 SAMPLING = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
 
 
+def _open_stream(server: ServerProcess, body: dict) -> http.client.HTTPResponse:
+    """A /v1/completions stream whose first event has arrived."""
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps(body))
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.readline().startswith(b"data: ")
+    return resp
+
+
 def test_a_dead_engine_is_a_503_and_a_killed_server_leaves_nothing():
     server = ServerProcess(["--sim", "tiny-cpu"])
     try:
         scheduler = server.get("/get_server_info").json()["engine"]["pid"]
+        stream = _open_stream(server, {"prompt": "a long story", "max_tokens": 20_000,
+                                       "stream": True, "ignore_eos": True})  # fmt: skip
         os.kill(scheduler, signal.SIGKILL)
+        *_, error, done = stream.read().decode().strip().split("\n\n")  # ends, not hangs
+        assert done == "data: [DONE]"
+        assert json.loads(error[len("data: ") :])["error"]["code"] == "engine_unavailable"
         deadline = time.monotonic() + 10
         while server.get("/health").status == 200:
             assert time.monotonic() < deadline
@@ -61,14 +75,10 @@ def test_ctrl_c_ends_running_streams_with_an_error_event_and_exits_cleanly():
     """(SIGTERM does the same: the sim_server fixture stops that way.)"""
     server = ServerProcess(["--sim", "tiny-cpu", "--graceful-shutdown-secs", "0.5"])
     try:
-        conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
-        conn.request("POST", "/v1/completions", json.dumps({"prompt": "a long story",
-                     "max_tokens": 20_000, "stream": True, "ignore_eos": True}))  # fmt: skip
-        resp = conn.getresponse()
-        assert resp.status == 200 and resp.readline().startswith(b"data: ")
+        resp = _open_stream(server, {"prompt": "a long story", "max_tokens": 20_000,
+                                     "stream": True, "ignore_eos": True})  # fmt: skip
         server.proc.send_signal(signal.SIGINT)
         *_, error, done = resp.read().decode().strip().split("\n\n")
-        conn.close()
         assert done == "data: [DONE]"
         assert json.loads(error[len("data: ") :])["error"]["code"] == "server_shutting_down"
         assert server.proc.wait(15) == 0
