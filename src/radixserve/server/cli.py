@@ -65,9 +65,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"radixserve serve: cannot listen on {server.host}:{server.port}: {e}",
               file=sys.stderr)  # fmt: skip
         return 1
-    previous = {s: signal.signal(s, _interrupt) for s in STOP_SIGNALS}
+    stops = StopSignals()
+    previous = {s: signal.signal(s, stops.handle) for s in STOP_SIGNALS}
     try:
-        return _launch_and_serve(server, engine_config, sock)
+        return _launch_and_serve(server, engine_config, sock, stops)
     except KeyboardInterrupt:  # SIGINT or SIGTERM while the engine starts
         print("radixserve serve: stopped while starting the engine", file=sys.stderr)
         return 1
@@ -77,7 +78,9 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(s, handler)
 
 
-def _launch_and_serve(server: ServerConfig, engine_config: Any, sock: socket.socket) -> int:
+def _launch_and_serve(
+    server: ServerConfig, engine_config: Any, sock: socket.socket, stops: StopSignals
+) -> int:
     from radixserve.engine.launch import EngineStartError, launch
 
     what = f"simulated {server.sim}" if server.sim else (engine_config.model.model or "built-in")
@@ -87,23 +90,28 @@ def _launch_and_serve(server: ServerConfig, engine_config: Any, sock: socket.soc
     except EngineStartError as e:
         print(f"radixserve serve: {e}", file=sys.stderr)
         return 1
-    # uvicorn stops on SIGINT or SIGTERM and then raises the same signal again, whose action
-    # (here, or by default) would end this process before the engine is shut down
-    for s in STOP_SIGNALS:
-        signal.signal(s, _stopped)
     try:
-        _run_loop(serve(server, engine, sock))
+        stops.started = True
+        _run_loop(serve(server, engine, sock, stops))
     finally:
         engine.shutdown()
     return 0
 
 
-def _interrupt(signum: int, _: Any) -> None:
-    raise KeyboardInterrupt(signal.Signals(signum).name)
+class StopSignals:
+    """SIGINT and SIGTERM outside uvicorn's own handling. While the engine starts they interrupt
+    it (KeyboardInterrupt); after, they are noted, and ``serve`` stops uvicorn once it runs (a
+    signal just before uvicorn installs its handlers, or the one uvicorn raises again after
+    stopping, whose default action would end the process before the engine is shut down)."""
 
+    def __init__(self) -> None:
+        self.started = False
+        self.got: list[int] = []
 
-def _stopped(signum: int, _: Any) -> None:
-    log.info("stopped by %s", signal.Signals(signum).name)
+    def handle(self, signum: int, _: Any) -> None:
+        if not self.started:
+            raise KeyboardInterrupt(signal.Signals(signum).name)
+        self.got.append(signum)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -130,7 +138,10 @@ def _run_loop(main: Coroutine[Any, Any, None]) -> None:
         uvloop.run(main)
 
 
-async def serve(config: ServerConfig, engine: EngineProcesses, sock: socket.socket) -> None:
+async def serve(
+    config: ServerConfig, engine: EngineProcesses, sock: socket.socket,
+    stops: StopSignals | None = None,
+) -> None:  # fmt: skip
     """Serve a launched engine on a bound socket until told to stop; prints the address once
     listening."""
     import uvicorn
@@ -143,22 +154,28 @@ async def serve(config: ServerConfig, engine: EngineProcesses, sock: socket.sock
         access_log=config.access_log,
         timeout_graceful_shutdown=config.graceful_shutdown_secs + FLUSH_S,
     ))  # fmt: skip
+    port = sock.getsockname()[1]  # read now: uvicorn closes the socket when it stops
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not task.done():
+        server.should_exit |= bool(stops and stops.got)  # a signal before uvicorn's handlers
         await asyncio.sleep(0.05)
     if server.started:
-        port = sock.getsockname()[1]
         name = app.state.server.model_name
         host = f"[{config.host}]" if ":" in config.host else config.host
         print(f"radixserve: serving {name} on http://{host}:{port}", flush=True)
-    await _end_requests_at_exit(server, task, app.state.server, config.graceful_shutdown_secs)
+    await _end_requests_at_exit(
+        server, task, app.state.server, config.graceful_shutdown_secs, stops
+    )
     await task
 
 
-async def _end_requests_at_exit(server: Any, task: asyncio.Task, state: Any, grace: float) -> None:
+async def _end_requests_at_exit(
+    server: Any, task: asyncio.Task, state: Any, grace: float, stops: StopSignals | None
+) -> None:
     """Once told to stop, give running requests ``grace`` seconds, then end them with a 503:
     a stream then closes with an error event and ``[DONE]`` rather than being cut mid-way."""
     while not server.should_exit and not task.done():
+        server.should_exit |= bool(stops and stops.got)
         await asyncio.sleep(0.2)
     done, _ = await asyncio.wait({task}, timeout=grace)
     if not done and (n := state.fail_all("the server is shutting down")):
