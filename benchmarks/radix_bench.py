@@ -9,6 +9,11 @@ list of fresh int objects (token ids > 256, above CPython's small-int cache), so
 an int object and comparisons cannot short-cut on identity; the queries are never the lists
 that were inserted, and each call converts its list itself.
 
+Rows marked [arr] hand the token ids over already in a C array of the tree's key type
+(``RadixCache.key_typecode``), converted outside the timing: SGLang's RadixKey holds its ids
+that way, so these rows are the like-for-like comparison with its figures; the other rows
+include converting a Python list, which is what a caller holding a list pays.
+
 Rows: "match" is match_prefix returning the length and the last node (what the scheduler's
 prefix index uses, and what SGLang 0.5.23's match_prefix returns); "+slots" also reads the
 result's slot list (what the KV manager does after an insert). The baseline, measured in the
@@ -39,7 +44,8 @@ GROUPS, PER_GROUP = 10, 100
 VOCAB = (257, 32000)  # CPython caches the ints -5..256; real token ids are mostly larger
 # SGLang 0.5.23's pure-Python RadixCache on this kind of machine (figures quoted in issue 2)
 SGLANG_REF = {("full-hit match", 2000): 39_000, ("full-hit match", 8000): 23_500,
-              ("insert", 2000): 29_000}  # fmt: skip
+              ("insert", 2000): 29_000, ("full-hit [arr]", 2000): 39_000,
+              ("full-hit [arr]", 8000): 23_500, ("insert [arr]", 2000): 29_000}  # fmt: skip
 
 
 def fresh(tokens: list[int]) -> list[int]:
@@ -201,6 +207,19 @@ def measure(
             built.append(build(factory))
             return len(seqs)
 
+        # the same calls with token ids already in a C array of the tree's key type (as
+        # SGLang's RadixKey holds them): the per-token list conversion is not in the timing
+        code = getattr(cache, "key_typecode", None)
+        as_array = (lambda qs: [array(code, q) for q in qs]) if code else (lambda qs: qs)
+        full_arr, seqs_arr = as_array(full), as_array(seqs)
+
+        def inserts_arr() -> int:
+            fresh_cache = factory()
+            for s, v in zip(seqs_arr, slots):
+                fresh_cache.insert(s, v)
+            built.append(fresh_cache)
+            return len(seqs)
+
         keep = built.clear
         return {
             "full-hit match": (matches(full), keep),
@@ -208,6 +227,8 @@ def measure(
             "group-hit match": (matches(group), keep),
             "miss match": (matches(miss, passes=20), keep),  # a run long enough to time
             "insert": (inserts, keep),
+            "full-hit [arr]": (matches(full_arr), keep),
+            "insert [arr]": (inserts_arr, keep),
         }
 
     plans = {name: plan(factory) for name, factory in factories.items()}

@@ -274,3 +274,15 @@ def test_match_slots_survive_later_splits_and_evictions() -> None:
     assert cache._slab == []  # all dead: compacted by evict itself
     assert kept.slots == [10, 11, 12, 13, 20] and hit.slots == early.slots
     cache.check_integrity()
+
+
+def test_ids_in_an_array_of_the_key_type_match_like_a_list() -> None:
+    cache = RadixCache()
+    seq = [300 + i for i in range(50)]
+    cache.insert(array(cache.key_typecode, seq[:30]), list(range(30)))
+    hit = cache.match_prefix(array(cache.key_typecode, seq))
+    assert hit.length == 30 and hit.slots == list(range(30))
+    assert cache.insert(array(cache.key_typecode, seq), list(range(100, 150))) == 30
+    assert cache.match_prefix(seq).slots == list(range(30)) + list(range(130, 150))
+    assert cache.match_prefix(array("q", seq)).length == 50  # another typecode: converted
+    cache.check_integrity()

@@ -207,6 +207,12 @@ class RadixCache:
             return tokens[start]
         return tuple(tokens[start : start + self.page_size])
 
+    @property
+    def key_typecode(self) -> str:
+        """The ``array`` typecode of the tree's keys. Token ids handed over already in an array
+        of this typecode are used as they are: no per-token conversion at all."""
+        return self._code
+
     def _encode(self, tokens: list[int]) -> array:
         """Token ids as an array of the tree's key type, in one C pass over the list. Keys are
         32-bit until a token id >= 2**32 arrives; then every key is widened to 64 bits, once."""
@@ -238,7 +244,8 @@ class RadixCache:
     # -- match / insert --------------------------------------------------------------------
     def match_prefix(self, tokens: Sequence[int], namespace: Hashable | None = None) -> MatchResult:
         """Longest cached prefix of ``tokens`` (whole pages); splits a node the match ends in."""
-        if type(tokens) is not list:
+        query = tokens if type(tokens) is array and tokens.typecode == self._code else None
+        if query is None and type(tokens) is not list:
             tokens = list(tokens)
         page = self.page_size
         end = len(tokens)
@@ -251,7 +258,8 @@ class RadixCache:
         child = node.children.get(tokens[0] if page == 1 else tuple(tokens[:page]))
         if child is None:  # a miss costs one dict lookup: the query is encoded only on a hit
             return MatchResult(None, node, 0)
-        query = self._encode(tokens)
+        if query is None:
+            query = self._encode(tokens)
         raw, width = query.tobytes(), self._width  # raw.startswith(key, offset): no slicing
         pos = 0
         while True:
@@ -280,7 +288,8 @@ class RadixCache:
         already cached, whose slots in ``slots`` the caller must free if they are its own."""
         if len(slots) < len(tokens):
             raise ValueError(f"{len(tokens)} tokens but only {len(slots)} slots")
-        if type(tokens) is not list:
+        query = tokens if type(tokens) is array and tokens.typecode == self._code else None
+        if query is None and type(tokens) is not list:
             tokens = list(tokens)
         page = self.page_size
         end = len(tokens)
@@ -290,7 +299,8 @@ class RadixCache:
         self._tick = tick = self._tick + 1
         if not end:
             return 0
-        query = self._encode(tokens)
+        if query is None:
+            query = self._encode(tokens)
         pos = 0
         while pos < end:
             first = tokens[pos] if page == 1 else tuple(tokens[pos : pos + page])
