@@ -23,6 +23,7 @@ from _machine import machine_line
 from radixserve.config import ModelConfig
 from radixserve.engine.engine import Engine
 from radixserve.model.loader import load_info, resolve_model_dir
+from radixserve.model.runner import default_num_threads
 
 SYSTEM_TOKENS, QUESTION_TOKENS, NUM_REQUESTS, OUTPUT_TOKENS = 512, 32, 32, 16
 SYSTEM_TEXT = (
@@ -69,9 +70,10 @@ def run_radixserve(prompts: list[list[int]], policy: str, repeats: int, threads:
     return {"seconds": statistics.median(times), "hit": hit, "outputs": outs}
 
 
-def run_transformers(prompts: list[list[int]], repeats: int) -> dict:
+def run_transformers(prompts: list[list[int]], repeats: int, threads: int) -> dict:
     from transformers import AutoModelForCausalLM
 
+    torch.set_num_threads(threads)
     model_dir = resolve_model_dir(ModelConfig())
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     ids = torch.tensor(prompts)
@@ -94,14 +96,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--policies", nargs="+", default=["fcfs", "lpm"])
-    ap.add_argument("--num-threads", type=int, default=0, help="radixserve's torch threads")
+    ap.add_argument("--num-threads", type=int, default=0,
+                    help="torch threads of both systems (0: radixserve's default, cores - 1)")  # fmt: skip
     ap.add_argument("--skip-hf", action="store_true", help="skip the transformers baseline")
     args = ap.parse_args()
 
+    threads = args.num_threads or default_num_threads()
     info = load_info(ModelConfig())
     prompts = build_prompts(info)
     print(machine_line())
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, CPU")
+    print(f"torch {torch.__version__}, {threads} torch threads for both systems, float32, CPU")
     print(
         f"workload: {NUM_REQUESTS} requests = {SYSTEM_TOKENS}-token shared system prompt + "
         f"{QUESTION_TOKENS}-token question, {OUTPUT_TOKENS} output tokens, greedy; "
@@ -109,7 +113,7 @@ def main() -> None:
     )
     rows = {}
     if not args.skip_hf:
-        rows["transformers generate"] = run_transformers(prompts, args.repeats)
+        rows["transformers generate"] = run_transformers(prompts, args.repeats, threads)
     for policy in args.policies:
         rows[f"radixserve {policy}"] = run_radixserve(
             prompts, policy, args.repeats, args.num_threads

@@ -78,7 +78,11 @@ class ModelConfig:
         "~/.cache/radixserve", "where a .gguf model is converted (dequantized) once, and reused"
     )
     sampling_seed: int = _f(0, "seed of the sampler for requests that carry no seed of their own")
-    num_threads: int = _f(0, "torch CPU threads of the model (0: torch's default, one per core)")
+    num_threads: int = _f(
+        0,
+        "torch CPU threads of the model (0: one per core but one, left to the API and "
+        "detokenizer processes; torch's threads stall badly when they must share a core)",
+    )
 
 
 def _base_type(tp: Any) -> Any:

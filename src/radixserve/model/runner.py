@@ -5,6 +5,7 @@ pool indexed by the scheduler's slot ids, and the sampler.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -28,8 +29,8 @@ class TorchRunner:
 
     def __init__(self, model_config: ModelConfig, num_slots: int) -> None:
         self.config = model_config
-        if model_config.num_threads > 0:
-            torch.set_num_threads(model_config.num_threads)
+        if self.device.type == "cpu":
+            torch.set_num_threads(model_config.num_threads or default_num_threads())
         self.device = torch.device(model_config.device)
         self.dtype = DTYPES[model_config.dtype]
         model_dir = resolve_model_dir(model_config)
@@ -85,6 +86,16 @@ class TorchRunner:
                 )
             if e.slots and (min(e.slots) < 0 or max(e.slots) >= self.kv.num_slots):
                 raise ValueError(f"request {e.rid}: slot id outside 0..{self.kv.num_slots - 1}")
+
+
+def default_num_threads() -> int:
+    """One torch thread per core this process may use, but one: the API process and the
+    detokenizer need a core too, and torch's threads stall badly when they must share one."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores - 1)
 
 
 def read_arch(model_dir: Path) -> ModelArch:
