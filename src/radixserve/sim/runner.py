@@ -5,7 +5,7 @@ Next tokens are a hash of the context and each step's duration comes from a cost
 
 from __future__ import annotations
 
-from radixserve.sched.batch import Batch, BatchEntry, StepResult
+from radixserve.sched.batch import Batch, StepResult
 from radixserve.sim.costmodel import CostModel, StepEntry, get_cost_model
 
 _MASK64 = (1 << 64) - 1
@@ -53,10 +53,14 @@ class SimRunner:
         self._eos_threshold = int(eos_prob * (1 << 32))
 
     def run(self, batch: Batch) -> StepResult:
-        entries = batch.entries
-        tokens = [self._sample(e) for e in entries]
-        duration = self._step_time([(len(e.token_ids), e.start_pos, e.is_prefill) for e in entries])
-        return StepResult(next_token_ids=tokens, duration=duration)
+        next_token = self.next_token
+        tokens: list[int | None] = []
+        steps = []  # step_entries(batch), without a StepEntry per entry
+        for e in batch.entries:
+            ids, start = e.token_ids, e.start_pos
+            tokens.append(next_token(ids[-1], start + len(ids)) if e.sample else None)
+            steps.append((len(ids), start, e.is_prefill))
+        return StepResult(next_token_ids=tokens, duration=self._step_time(steps))
 
     def next_token(self, last_token: int, seq_len: int) -> int:
         """The token that follows a context of ``seq_len`` tokens ending in ``last_token``."""
@@ -88,11 +92,6 @@ class SimRunner:
             if last == self.eos_token_id:
                 break
         return out
-
-    def _sample(self, entry: BatchEntry) -> int | None:
-        if not entry.sample:
-            return None
-        return self.next_token(entry.token_ids[-1], entry.start_pos + len(entry.token_ids))
 
 
 def step_entries(batch: Batch) -> list[StepEntry]:
