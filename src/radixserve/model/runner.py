@@ -29,9 +29,9 @@ class TorchRunner:
 
     def __init__(self, model_config: ModelConfig, num_slots: int) -> None:
         self.config = model_config
+        self.device = torch.device(model_config.device)
         if self.device.type == "cpu":
             torch.set_num_threads(model_config.num_threads or default_num_threads())
-        self.device = torch.device(model_config.device)
         self.dtype = DTYPES[model_config.dtype]
         model_dir = resolve_model_dir(model_config)
         self.info: ModelInfo = load_model_info(model_dir, model_config.context_length)
