@@ -12,16 +12,26 @@ PURE = [
     "radixserve.config",
     "radixserve.sched.request",
     "radixserve.sched.batch",
-]
-OPTIONAL = [
     "radixserve.sched.scheduler",
     "radixserve.sched.policy",
+    "radixserve.sched.adder",
     "radixserve.router.tree",
     "radixserve.router.policies",
+    "radixserve.router.app",
+    "radixserve.router.cli",
     "radixserve.sim.costmodel",
     "radixserve.sim.runner",
     "radixserve.sim.workloads",
+    "radixserve.sim.cluster",
+    "radixserve.bench.loadgen",
+    "radixserve.bench.cli",
+    "radixserve.sim.cli",
+    # the engine and server plumbing too: `radixserve serve --sim` runs without torch
+    "radixserve.engine.engine",
+    "radixserve.engine.scheduler_proc",
+    "radixserve.server.app",
 ]
+OPTIONAL: list[str] = []
 
 BLOCK_TORCH = """
 import importlib.abc, importlib.util, sys
