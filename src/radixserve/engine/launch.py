@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing as mp
 import os
+import signal
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,8 +126,7 @@ def launch(config: EngineConfig) -> EngineProcesses:
         ctx.Process(target=run_detokenizer, args=(spec, endpoints, os.getpid()),
                     name="radixserve-detokenizer", daemon=True),
     ]  # fmt: skip
-    for p in procs:
-        p.start()
+    _start_all(procs)
     engine = EngineProcesses(config, endpoints, procs, None, {})
     try:
         engine.tokenizer = spec.load()
@@ -138,6 +139,22 @@ def launch(config: EngineConfig) -> EngineProcesses:
         raise EngineStartError(f"the scheduler process failed to start: {payload}")
     engine.info = payload
     return engine
+
+
+def _start_all(procs: list[mp.process.BaseProcess]) -> None:
+    """Start the children with SIGINT and SIGTERM held, so that a signal cannot land while a
+    child is half started; it is delivered (and handled by the caller) once all have started."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    can_hold = threading.current_thread() is threading.main_thread() and hasattr(
+        signal, "pthread_sigmask"
+    )
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, held) if can_hold else None
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        if old is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _wait_ready(engine: EngineProcesses, conn: Any) -> tuple[str, Any]:

@@ -4,6 +4,7 @@ the parent dies, so a killed server never leaves orphans behind."""
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
 import threading
 import time
@@ -31,7 +32,11 @@ class Endpoints:
 
 
 def exit_with_parent(parent_pid: int, interval: float = 0.5) -> None:
-    """Start a daemon thread that ends this process once ``parent_pid`` is gone."""
+    """Start a daemon thread that ends this process once ``parent_pid`` is gone. Also lift the
+    hold on SIGINT and SIGTERM that a child inherits from ``launch`` (it starts children with
+    them held), so that ``terminate()`` works."""
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 
     def watch() -> None:
         while os.getppid() == parent_pid:
