@@ -58,9 +58,13 @@ class SlotAllocator:
         taken = free[-pages:]
         del free[-pages:]
         taken.reverse()
-        in_use = self._in_use
-        for page in taken:
-            in_use[page] = 1
+        lo = min(taken)
+        if max(taken) - lo == pages - 1:  # free pages are distinct: these are lo .. lo+pages-1
+            self._in_use[lo : lo + pages] = b"\x01" * pages
+        else:
+            in_use = self._in_use
+            for page in taken:
+                in_use[page] = 1
         if p == 1:
             return taken
         out = [s for page in taken for s in range(page * p, page * p + p)]
@@ -73,7 +77,13 @@ class SlotAllocator:
         pages = sorted(set(slots) if p == 1 else {s // p for s in slots})
         if not pages:
             return
-        in_use, outside = self._in_use, pages[0] < 0 or pages[-1] >= self.num_pages
+        in_use, lo, hi = self._in_use, pages[0], pages[-1]
+        if hi - lo == len(pages) - 1 and 0 <= lo and hi < self.num_pages:
+            if in_use.find(0, lo, hi + 1) < 0:  # a run of pages, all in use (checked in C)
+                in_use[lo : hi + 1] = bytes(len(pages))
+                self._free_pages += pages
+                return
+        outside = lo < 0 or hi >= self.num_pages
         for page in pages:  # errors name the lowest bad page
             if outside and not 0 <= page < self.num_pages:
                 raise SlotError(f"slot page {page} is outside the pool")
