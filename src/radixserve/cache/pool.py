@@ -141,7 +141,8 @@ class RequestSlotTable:
         room = min(-(len(slots) - e.owned_from) % self.allocator.page_size, n)
         if room:
             new = list(range(slots[-1] + 1, slots[-1] + 1 + room))
-            new += self.allocator.alloc(n - room)
+            if n > room:
+                new += self.allocator.alloc(n - room)
         else:
             new = self.allocator.alloc(n)
         slots += new
