@@ -156,6 +156,22 @@ class ClusterSim:
             raise RuntimeError("a ClusterSim runs once: its engines keep their caches")
         self._ran, self._draining = True, False
         wall = time.perf_counter()
+        with _fewer_gc_passes():
+            self._prepare(requests, label, block_tokens)
+            show = progress and len(self._reqs) >= PROGRESS_MIN_REQUESTS
+            desc = label or "sim"
+            with tqdm(total=len(self._reqs), desc=desc, unit="req", disable=not show) as bar:
+                self._bar = bar
+                self._loop()
+        res = self._result
+        res.engines = [e.load for e in self.engines]
+        res.wall_s = time.perf_counter() - wall
+        res.num_unfinished = len(self._live) + len(self._backlog)
+        return res
+
+    def _prepare(
+        self, requests: Sequence[WorkloadRequest], label: str, block_tokens: int | None
+    ) -> None:
         self._block_tokens = block_tokens
         self._reqs = list(requests)
         self._index = {r.rid: i for i, r in enumerate(self._reqs)}
@@ -166,16 +182,6 @@ class ClusterSim:
         for i, r in enumerate(self._reqs):
             if r.prev_rid is None or r.prev_rid not in self._index:
                 self._push(r.arrival_s, _ARRIVE, i)
-        show = progress and len(self._reqs) >= PROGRESS_MIN_REQUESTS
-        with tqdm(total=len(self._reqs), desc=label or "sim", unit="req", disable=not show) as bar:
-            self._bar = bar
-            with _fewer_gc_passes():
-                self._loop()
-        res = self._result
-        res.engines = [e.load for e in self.engines]
-        res.wall_s = time.perf_counter() - wall
-        res.num_unfinished = len(self._live) + len(self._backlog)
-        return res
 
     def _loop(self) -> None:
         events, engines = self._events, self.engines
