@@ -9,6 +9,7 @@ from radixserve.sched.batch import Batch, StepResult
 from radixserve.sim.costmodel import CostModel, StepEntry, get_cost_model
 
 _MASK64 = (1 << 64) - 1
+_MEMO_TOKENS = 1 << 16  # inner hashes kept per runner (at most about 8 MB)
 
 
 def _mix64(x: int) -> int:
@@ -51,6 +52,7 @@ class SimRunner:
         self.eos_token_id = eos_token_id
         # compare the hash's top 32 bits with a threshold instead of drawing a float
         self._eos_threshold = int(eos_prob * (1 << 32))
+        self._mixed: dict[int, int] = {}  # token id -> _mix64(seed ^ token id)
 
     def run(self, batch: Batch) -> StepResult:
         next_token = self.next_token
@@ -64,11 +66,14 @@ class SimRunner:
 
     def next_token(self, last_token: int, seq_len: int) -> int:
         """The token that follows a context of ``seq_len`` tokens ending in ``last_token``."""
-        # _mix64(_mix64(seed ^ last_token) ^ seq_len), inlined: this runs once per token
-        x = ((self.seed ^ (last_token & _MASK64)) + 0x9E3779B97F4A7C15) & _MASK64
-        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-        x = ((x ^ (x >> 31) ^ seq_len) + 0x9E3779B97F4A7C15) & _MASK64
+        # _mix64(_mix64(seed ^ last_token) ^ seq_len), with the inner hash memoised per token
+        # id (a vocabulary's worth) and the outer one inlined: this runs once per token
+        x = self._mixed.get(last_token)
+        if x is None:
+            x = _mix64(self.seed ^ (last_token & _MASK64))
+            if len(self._mixed) < _MEMO_TOKENS:
+                self._mixed[last_token] = x
+        x = ((x ^ seq_len) + 0x9E3779B97F4A7C15) & _MASK64
         x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
         x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
         h = x ^ (x >> 31)
