@@ -123,11 +123,14 @@ def main() -> None:
     for name, r in rows.items():
         rps = NUM_REQUESTS / r["seconds"]
         ratio = f"{base['seconds'] / r['seconds']:.2f}x" if base else "-"
-        # greedy tokens equal to transformers' (float32 sums in another order may flip a tie)
+        # requests whose greedy tokens equal transformers', up to the first EOS: past it they
+        # may differ, as min_new_tokens makes transformers mask EOS while ignore_eos does not
         same = "-"
         if base:
-            pairs = [(a, b) for x, y in zip(r["outputs"], base["outputs"]) for a, b in zip(x, y)]
-            same = f"{sum(a == b for a, b in pairs) / len(pairs):.0%}"
+            eos = set(info.eos_token_ids)
+            cut = [next((i for i, t in enumerate(x) if t in eos), len(x)) for x in r["outputs"]]
+            pairs = zip(r["outputs"], base["outputs"], cut)
+            same = f"{sum(x[:n] == y[:n] for x, y, n in pairs)}/{len(cut)}"
         print(
             f"{name:<24}{rps:>8.2f}{rps * OUTPUT_TOKENS:>11.1f}{r['hit']:>10.1%}{ratio:>8}{same:>7}"
         )
