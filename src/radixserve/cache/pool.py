@@ -28,13 +28,15 @@ class SlotAllocator:
         return self.num_pages * self.page_size
 
     def reset(self) -> None:
-        # popped from the end, so low slot ids go first
-        self._free_pages = list(range(self.num_pages - 1, -1, -1))
+        # freed pages are reused last-freed first; then never-used pages, low ids first. The
+        # never-used ones are a counter, not a list: a pool of 400k pages starts in no time
+        self._free_pages: list[int] = []
+        self._fresh = 0  # pages [_fresh, num_pages) were never handed out
         self._in_use = bytearray(self.num_pages)
 
     def available(self) -> int:
         """Free token slots (whole pages)."""
-        return len(self._free_pages) * self.page_size
+        return (len(self._free_pages) + self.num_pages - self._fresh) * self.page_size
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -46,18 +48,19 @@ class SlotAllocator:
             raise ValueError(f"cannot allocate {num_tokens} slots")
         p, free = self.page_size, self._free_pages
         pages = -(-num_tokens // p)
-        if pages > len(free):
+        if pages > len(free) + self.num_pages - self._fresh:
             raise SlotError(f"out of KV slots: need {num_tokens}, have {self.available()}")
         if pages == 1:  # a decode step: one page per request
-            page = free.pop()
+            if free:
+                page = free.pop()
+            else:
+                page = self._fresh
+                self._fresh += 1
             self._in_use[page] = 1
             return [page] if p == 1 else list(range(page * p, page * p + num_tokens))
         if not pages:
             return []
-        # the same pages, in the same order, as popping them one by one
-        taken = free[-pages:]
-        del free[-pages:]
-        taken.reverse()
+        taken = self._take(pages)
         lo = min(taken)
         if max(taken) - lo == pages - 1:  # free pages are distinct: these are lo .. lo+pages-1
             self._in_use[lo : lo + pages] = b"\x01" * pages
@@ -70,6 +73,19 @@ class SlotAllocator:
         out = [s for page in taken for s in range(page * p, page * p + p)]
         del out[num_tokens:]
         return out
+
+    def _take(self, pages: int) -> list[int]:
+        """The next ``pages`` free pages in handing-out order (there are enough)."""
+        free = self._free_pages
+        reused = min(pages, len(free))
+        taken = free[-reused:] if reused else []
+        del free[len(free) - reused :]
+        taken.reverse()  # last freed first
+        if pages > reused:
+            fresh = self._fresh
+            self._fresh = fresh + pages - reused
+            taken += range(fresh, self._fresh)
+        return taken
 
     def free(self, slots: Sequence[int]) -> None:
         """Return the pages holding ``slots`` (every slot of a page must be the caller's)."""
