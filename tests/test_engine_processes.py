@@ -139,3 +139,16 @@ def test_shutdown_of_a_healthy_engine_leaves_no_process(model_dir):
         eng.generate(PROMPTS[0], GREEDY)
     time.sleep(0.2)
     assert not any(alive(p) for p in pids)
+
+
+def test_a_model_without_the_engine_extra_says_how_to_install_it(monkeypatch):
+    import importlib.util
+
+    from radixserve.engine.launch import EngineConfig, EngineStartError, launch
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a)
+    )
+    with pytest.raises(EngineStartError, match=r"pip install torch==2\.13\.0 .*--sim"):
+        launch(EngineConfig())

@@ -117,6 +117,8 @@ def launch(config: EngineConfig) -> EngineProcesses:
     from radixserve.engine.detokenizer import run_detokenizer
     from radixserve.engine.scheduler_proc import run_scheduler
 
+    if config.sim is None:
+        _check_engine_extra()
     ctx = mp.get_context("spawn")
     endpoints, spec = Endpoints.new(), config.tokenizer_spec()
     parent, child = ctx.Pipe(duplex=False)
@@ -139,6 +141,23 @@ def launch(config: EngineConfig) -> EngineProcesses:
         raise EngineStartError(f"the scheduler process failed to start: {payload}")
     engine.info = payload
     return engine
+
+
+ENGINE_EXTRA = ("torch", "tokenizers", "safetensors", "gguf")
+
+
+def _check_engine_extra() -> None:
+    """A real model needs the ``engine`` extra; say how to install it rather than fail deep in a
+    child process."""
+    import importlib.util
+
+    missing = [m for m in ENGINE_EXTRA if importlib.util.find_spec(m) is None]
+    if missing:
+        raise EngineStartError(
+            f"running a model needs {', '.join(missing)} (the 'engine' extra); install it with: "
+            'pip install torch==2.13.0 && pip install "radixserve[engine]" '
+            "(or serve a simulated model with --sim PRESET, which needs neither)"
+        )
 
 
 def _start_all(procs: list[mp.process.BaseProcess]) -> None:
