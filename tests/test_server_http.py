@@ -271,3 +271,15 @@ def test_a_rid_utf8_cannot_carry_comes_back_escaped(tiny_server, stream):
     assert reply.status == 200, reply.body
     last = json.loads(reply.events()[-2]) if stream else reply.json()
     assert last["meta_info"]["id"] == rid
+
+
+def test_cache_salt_keeps_prefixes_apart(tiny_server):
+    text = "a radix tree shares the prefixes of many prompts and the quick brown fox"
+    first = generate(tiny_server, text=text, cache_salt="tenant-a")["meta_info"]
+    again = generate(tiny_server, text=text, cache_salt="tenant-a")["meta_info"]
+    other = generate(tiny_server, text=text, cache_salt="tenant-b")["meta_info"]
+    assert first["cached_tokens"] == 0
+    assert again["cached_tokens"] >= again["prompt_tokens"] - 1  # the same salt reuses it all
+    assert other["cached_tokens"] == 0  # another salt never sees tenant a's KV
+    reply = tiny_server.post("/v1/completions", {"prompt": text, "lora_path": "adapter-1"})
+    assert reply.status == 400 and reply.json()["error"]["param"] == "lora_path"

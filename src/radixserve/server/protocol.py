@@ -15,6 +15,17 @@ TopK = Annotated[int, Field(ge=-1, lt=2**31)]
 Stop = str | list[str] | None
 
 
+def cache_namespace(body: Any) -> str | None:
+    """The prefix-cache namespace of a request: requests with different ``cache_salt`` values
+    never share cached KV (vLLM's semantics); the router keys its tree the same way. LoRA
+    adapters are not served yet, so naming one is refused rather than silently ignored."""
+    if body.lora_path:
+        from radixserve.server.errors import ApiError
+
+        raise ApiError(400, "LoRA adapters are not supported by this server", param="lora_path")
+    return f"salt:{body.cache_salt}" if body.cache_salt else None
+
+
 class _Body(BaseModel):
     # Unknown fields are ignored (OpenAI clients send many we do not use); declared ones are
     # checked without coercion, and NaN or infinite numbers are refused.
@@ -40,6 +51,8 @@ class _OpenAISampling(_Body):
     n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    cache_salt: str | None = Field(None, max_length=256)
+    lora_path: str | None = None
 
     def sampling(self, max_tokens: int | None) -> dict[str, Any]:
         """Keyword arguments for ``sampling_from`` (SGLang's names)."""
@@ -117,6 +130,8 @@ class GenerateRequest(_Body):
     sampling_params: GenerateSampling | list[GenerateSampling] | None = None
     stream: bool = False
     rid: str | None = None
+    cache_salt: str | None = Field(None, max_length=256)
+    lora_path: str | None = None
 
 
 BODIES: tuple[type[BaseModel], ...] = (
