@@ -242,17 +242,26 @@ class RadixCache:
         return node
 
     # -- match / insert --------------------------------------------------------------------
-    def match_prefix(self, tokens: Sequence[int], namespace: Hashable | None = None) -> MatchResult:
-        """Longest cached prefix of ``tokens`` (whole pages); splits a node the match ends in."""
+    def _begin(
+        self, tokens: Sequence[int], namespace: Hashable | None
+    ) -> tuple[Any, array | None, int, TreeNode, int]:
+        """What a match or insert starts from: the ids (a list, or the caller's array when it
+        is of the key type, which is then also the encoded query), the page-aligned end, the
+        namespace's root, and a fresh access tick."""
         query = tokens if type(tokens) is array and tokens.typecode == self._code else None
         if query is None and type(tokens) is not list:
             tokens = list(tokens)
-        page = self.page_size
         end = len(tokens)
-        if page != 1:
-            end -= end % page
+        if self.page_size != 1:
+            end -= end % self.page_size
         node = self._namespaces.get(namespace) or self.namespace_root(namespace)
         self._tick = tick = self._tick + 1
+        return tokens, query, end, node, tick
+
+    def match_prefix(self, tokens: Sequence[int], namespace: Hashable | None = None) -> MatchResult:
+        """Longest cached prefix of ``tokens`` (whole pages); splits a node the match ends in."""
+        tokens, query, end, node, tick = self._begin(tokens, namespace)
+        page = self.page_size
         if not end:
             return MatchResult(None, node, 0)
         child = node.children.get(tokens[0] if page == 1 else tuple(tokens[:page]))
@@ -288,15 +297,8 @@ class RadixCache:
         already cached, whose slots in ``slots`` the caller must free if they are its own."""
         if len(slots) < len(tokens):
             raise ValueError(f"{len(tokens)} tokens but only {len(slots)} slots")
-        query = tokens if type(tokens) is array and tokens.typecode == self._code else None
-        if query is None and type(tokens) is not list:
-            tokens = list(tokens)
+        tokens, query, end, node, tick = self._begin(tokens, namespace)
         page = self.page_size
-        end = len(tokens)
-        if page != 1:
-            end -= end % page
-        node = self._namespaces.get(namespace) or self.namespace_root(namespace)
-        self._tick = tick = self._tick + 1
         if not end:
             return 0
         if query is None:
