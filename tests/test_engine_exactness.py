@@ -29,9 +29,8 @@ def runner(request, tmp_path_factory):
     return TorchRunner(ModelConfig(model=str(path)), num_slots=POOL)
 
 
-def serve(runner, prompts, sched: SchedulerConfig, cache: CacheConfig, tag: str, new=NEW):
-    """Run every prompt to completion (greedy, EOS ignored); returns the drained scheduler."""
-    s = Scheduler(sched, cache, eos_token_ids=runner.info.eos_token_ids)
+def run_all(runner, s: Scheduler, prompts, tag: str, new=NEW) -> list[Req]:
+    """Add every prompt (greedy, EOS ignored) and step ``s`` until it is idle."""
     for i, p in enumerate(prompts):
         sp = SamplingParams(max_new_tokens=new[i], temperature=0.0, ignore_eos=True)
         s.add_request(Req(f"{tag}{i}", list(p), sp))
@@ -39,8 +38,13 @@ def serve(runner, prompts, sched: SchedulerConfig, cache: CacheConfig, tag: str,
     while (batch := s.step()) is not None:
         s.on_output(batch, runner.run(batch))
         s.check_integrity()
-    s.outputs = [list(r.output_ids) for r in reqs]  # type: ignore[attr-defined]
-    s.reqs = reqs  # type: ignore[attr-defined]
+    return reqs
+
+
+def serve(runner, prompts, sched: SchedulerConfig, cache: CacheConfig, tag: str, new=NEW):
+    """Run every prompt to completion on a fresh scheduler; returns the drained scheduler."""
+    s = Scheduler(sched, cache, eos_token_ids=runner.info.eos_token_ids)
+    s.outputs = [list(r.output_ids) for r in run_all(runner, s, prompts, tag, new)]  # type: ignore[attr-defined]
     return s
 
 
@@ -62,12 +66,7 @@ def test_batched_cached_chunked_paged_equals_alone(runner, reference, page, chun
     assert cold.outputs == reference
     # the same scheduler again: now the prompts (and earlier outputs) are in the tree
     warm = cold
-    for i, p in enumerate(PROMPTS):
-        sp = SamplingParams(max_new_tokens=NEW[i], temperature=0.0, ignore_eos=True)
-        warm.add_request(Req(f"b{i}", list(p), sp))
-    reqs = [warm.get(f"b{i}") for i in range(len(PROMPTS))]
-    while (batch := warm.step()) is not None:
-        warm.on_output(batch, runner.run(batch))
+    reqs = run_all(runner, warm, PROMPTS, "b")
     assert [r.output_ids for r in reqs] == reference
     assert all(r.cached_tokens >= len(p) - page - 1 for r, p in zip(reqs, PROMPTS))
     assert warm.stats().cached_prompt_tokens > 0
