@@ -6,7 +6,8 @@ free + evictable + protected + held == total holds after each one.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from array import array
+from collections.abc import Iterable, Sequence
 from itertools import chain
 from typing import Any
 
@@ -49,6 +50,12 @@ class KVManager:
         if short > 0 and self.enabled:
             self.allocator.free(self.cache.evict(short))
         return self.allocator.available() >= n
+
+    def covers(self, num_decodes: int, extra: int = 0) -> bool:
+        """The free slots hold a fresh page for each of ``num_decodes`` decodes plus ``extra``:
+        then ``ensure_free`` of their exact need evicts nothing (the common case, checked in
+        O(1) before the exact count)."""
+        return self.allocator.available() >= num_decodes * self.page + extra
 
     # -- request lifecycle -------------------------------------------------------------------
     def lock(self, node: Any) -> None:
@@ -104,12 +111,22 @@ class KVManager:
         n = self._aligned(req.kv_len)
         if not self.enabled or n <= self.table.owned_from(req.rid):
             return None
-        tokens = req.fill_slice(0, n)
+        tokens = self._keys(req.fill_slice(0, n))
         self.cache.insert(tokens, self.table.slots(req.rid)[:n], req.namespace)
         m = self.cache.match_prefix(tokens, req.namespace)
         assert m.length == n, f"inserted {n} tokens but matched {m.length}"
         self.table.adopt_prefix(req.rid, m.slots)
         return m.last_node
+
+    def _keys(self, tokens: list[int]) -> Sequence[int]:
+        """``tokens`` as the tree's key array, converted once for the insert and the match
+        that follows it (as a list if they do not fit it: the tree then widens its keys)."""
+        keys = array(self.cache.key_typecode)
+        try:
+            keys.fromlist(tokens)  # one C pass (faster than array(code, tokens))
+        except (OverflowError, TypeError):
+            return tokens
+        return keys
 
     def path_slots(self, node: TreeNode) -> list[int]:
         """Slots of the cached prefix that ends at ``node`` (read only: no split, no tick)."""

@@ -154,9 +154,10 @@ class Scheduler:
             raise ValueError("a StepResult needs one next token id per batch entry")
         self._in_flight = None
         outs = []
+        reqs, running = self._reqs, ReqState.RUNNING
         for entry, token in zip(batch.entries, result.next_token_ids):
-            req = self._reqs.get(entry.rid)
-            if req is None or req.state is not ReqState.RUNNING:
+            req = reqs.get(entry.rid)
+            if req is None or req.state is not running:
                 continue
             req.kv_len += len(entry.token_ids)
             if not entry.sample:
@@ -183,7 +184,7 @@ class Scheduler:
         if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids):
             return FinishReason.STOP
         # add_request made prompt + max_new_tokens fit the context, so this bound is enough
-        if req.num_generated >= sp.max_new_tokens:
+        if len(req.output_ids) >= sp.max_new_tokens:
             return FinishReason.LENGTH
         return None
 
@@ -293,13 +294,28 @@ class Scheduler:
         decoding = self.running.decoding
         if not decoding:
             return []
-        spare = max(decoding.values(), key=retract_order)
-        self._retract_until(lambda: self.kv.ensure_free(self._decode_need()), spare)
+        kv = self.kv
+        chunk = self._chunk_need() if self.config.enable_mixed_chunk else 0
+        if not kv.covers(len(decoding), chunk):
+            spare = max(decoding.values(), key=retract_order)
+            self._retract_until(lambda: kv.ensure_free(self._decode_need()), spare)
+        # the decodes' slots are free now (nothing more to evict): one extend each, no checks
+        table = kv.table
         entries = []
-        for req in decoding.values():
-            self.kv.extend(req, 1)
-            slots = self.kv.table.slots(req.rid)
-            entries.append(_entry(req, [req.output_ids[-1]], req.kv_len, slots, False))
+        for rid, req in decoding.items():
+            table.extend(rid, 1)
+            entries.append(
+                BatchEntry(
+                    rid,
+                    [req.output_ids[-1]],
+                    req.kv_len,
+                    table.slots(rid),
+                    True,
+                    req.sampling,
+                    False,
+                    len(req.output_ids),
+                )
+            )
         self.running.decay()
         return entries
 
