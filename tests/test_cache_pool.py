@@ -72,3 +72,18 @@ def test_open_twice_is_an_error() -> None:
     table.open("r", [])
     with pytest.raises(SlotError):
         table.open("r", [])
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_run_with_one_freed_page_inside_is_refused_whole(page_size: int) -> None:
+    alloc = SlotAllocator(64, page_size)
+    run = alloc.alloc(32)
+    alloc.free(run[8:12])  # one page (or four slots) of the run goes back first
+    before = alloc.available()
+    with pytest.raises(SlotError, match="double free"):
+        alloc.free(run)  # freeing the whole run again would free that page twice
+    assert alloc.available() == before  # refused whole: nothing of the run was freed
+    alloc.free(run[:8] + run[12:])
+    assert alloc.available() == 64
+    again = alloc.alloc(64)
+    assert sorted(again) == list(range(64))  # every slot comes back exactly once
