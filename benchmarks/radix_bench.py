@@ -23,6 +23,14 @@ slice compares, lists for values).
 Times are this process's CPU time by default, as the machine may be shared (--clock wall for
 elapsed time).
 
+When the ``sglang`` package is importable, SGLang's own RadixCache (page size 1, built with
+``RadixCache.create_simulated``) runs in the same repeats on the same inputs and the last
+columns are measured against it; otherwise they are against the figures quoted in issue 2
+(marked "q"). Its keys are ``RadixKey`` over ``array('q')``: the list rows convert each list
+inside the timing (as ours do), the [arr] rows hand it the array; its slot values are torch
+tensors made outside the timing. It has no "+slots" row (its MatchResult carries only the
+length; the indices would need a walk and a torch.cat).
+
     python benchmarks/radix_bench.py [--repeats 5] [--lengths 2000 8000] [--clock cpu|wall]
 """
 
@@ -137,6 +145,54 @@ class LoopRadix:
         return upper
 
 
+class SGLangRadix:
+    """SGLang's own RadixCache behind this benchmark's calls (only when sglang is importable)."""
+
+    key_typecode = "q"  # RadixKey holds its token ids as array('q')
+
+    def __init__(self) -> None:
+        from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
+        from sglang.srt.mem_cache.radix_cache import RadixCache as SGLangCache
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        self._cache = SGLangCache.create_simulated(page_size=1)
+        self._key, self._match, self._insert = RadixKey, MatchPrefixParams, InsertParams
+
+    @staticmethod
+    def prepare_values(values: list[list[int]]) -> list[Any]:
+        import torch
+
+        return [torch.tensor(v, dtype=torch.int64) for v in values]
+
+    def _radix_key(self, tokens: Any) -> Any:
+        ids = tokens if type(tokens) is array else array("q", tokens)
+        return self._key(ids)
+
+    def match_prefix(self, tokens: Any) -> Any:
+        got = self._cache.match_prefix(self._match(key=self._radix_key(tokens)))
+        return _SGLangMatch(got.device_prefix_len)
+
+    def insert(self, tokens: Any, values: Any) -> int:
+        return self._cache.insert(
+            self._insert(key=self._radix_key(tokens), value=values)
+        ).prefix_len
+
+
+class _SGLangMatch:
+    __slots__ = ("length",)
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+
+def sglang_available() -> bool:
+    try:
+        SGLangRadix()
+    except Exception:  # not installed, or its import chain fails here
+        return False
+    return True
+
+
 # -- workload ---------------------------------------------------------------------------------
 def make_sequences(length: int, rng: random.Random) -> list[list[int]]:
     half = length // 2
@@ -181,19 +237,26 @@ def measure(
     check_inputs(seqs, queries)
     full, group, miss = queries["full-hit"], queries["group-hit"], queries["miss"]
 
-    def build(factory: Callable[[], Any]) -> Any:
+    def values_for(factory: Callable[[], Any]) -> list[Any]:
+        prepare = getattr(factory, "prepare_values", None)
+        return prepare(slots) if prepare else slots
+
+    def build(factory: Callable[[], Any], values: list[Any]) -> Any:
         cache = factory()
-        for s, v in zip(seqs, slots):
+        for s, v in zip(seqs, values):
             cache.insert(s, v)
         return cache
 
     built: list[Any] = []  # each run's tree is freed after its timing, not inside the next
 
     def plan(factory: Callable[[], Any]) -> dict[str, tuple[Callable[[], int], Callable[[], None]]]:
-        cache = build(factory)
+        values = values_for(factory)  # made once, outside every timing
+        cache = build(factory, values)
         for q, v in zip(full, slots):  # a full hit ends in the query's own leaf
-            got = cache.match_prefix(q).slots
-            assert len(got) == length and got[-1] == v[-1], "full-hit match returned wrong slots"
+            got = cache.match_prefix(q)
+            assert got.length == length, "full-hit match returned a wrong length"
+            if hasattr(got, "slots"):
+                assert got.slots[-1] == v[-1], "full-hit match returned wrong slots"
 
         def matches(qs: list[list[int]], passes: int = 1) -> Callable[[], int]:
             return lambda: sum(
@@ -204,7 +267,7 @@ def measure(
             return lambda: sum(1 for q in qs if len(cache.match_prefix(q).slots) >= 0)
 
         def inserts() -> int:
-            built.append(build(factory))
+            built.append(build(factory, values))
             return len(seqs)
 
         # the same calls with token ids already in a C array of the tree's key type (as
@@ -215,15 +278,16 @@ def measure(
 
         def inserts_arr() -> int:
             fresh_cache = factory()
-            for s, v in zip(seqs_arr, slots):
+            for s, v in zip(seqs_arr, values):
                 fresh_cache.insert(s, v)
             built.append(fresh_cache)
             return len(seqs)
 
         keep = built.clear
+        with_slots = hasattr(cache.match_prefix(full[0]), "slots")
         return {
             "full-hit match": (matches(full), keep),
-            "full-hit +slots": (matches_with_slots(full), keep),
+            "full-hit +slots": (matches_with_slots(full) if with_slots else None, keep),
             "group-hit match": (matches(group), keep),
             "miss match": (matches(miss, passes=20), keep),  # a run long enough to time
             "insert": (inserts, keep),
@@ -237,6 +301,8 @@ def measure(
         for _ in range(repeats):
             for name, ops in plans.items():
                 fn, after = ops[op]
+                if fn is None:
+                    continue
                 gc.collect()
                 t0 = clock()
                 calls = fn()
@@ -253,21 +319,37 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[2000, 8000])
     ap.add_argument("--clock", choices=sorted(CLOCKS), default="cpu",
                     help="cpu: this process's CPU time (steady on a shared machine); wall: elapsed")  # fmt: skip
+    ap.add_argument("--sglang", choices=["auto", "on", "off"], default="auto",
+                    help="run SGLang's RadixCache side by side (auto: when it imports)")  # fmt: skip
     args = ap.parse_args()
     clock = CLOCKS[args.clock]
     print(machine_line())
     print(f"workload: {GROUPS} groups x {PER_GROUP} sequences of L tokens, L/2 shared per group; "
           f"fresh int objects in every query; median of {args.repeats} runs, {args.clock} time")  # fmt: skip
+    factories: dict[str, Callable[[], Any]] = {"ours": RadixCache, "base": LoopRadix}
+    if args.sglang != "off" and sglang_available():
+        import sglang
+
+        factories["sglang"] = SGLangRadix
+        print(f"SGLang {sglang.__version__} RadixCache measured in the same repeats")
+    elif args.sglang == "on":
+        raise SystemExit("--sglang on: the sglang package does not import here")
+    else:
+        print("SGLang not importable: 'vs SGLang' uses the figures quoted in issue 2 (q)")
     print(f"{'op':<16} {'L':>5} {'calls/s':>10} {'Mtok/s':>8} {'loop baseline':>14} "
-          f"{'ratio':>6} {'vs SGLang':>9}")  # fmt: skip
+          f"{'ratio':>6} {'SGLang':>9} {'vs SGLang':>9}")  # fmt: skip
     for length in args.lengths:
-        got = measure({"ours": RadixCache, "base": LoopRadix}, length, args.repeats, clock)
-        ours, base = got["ours"], got["base"]
+        got = measure(factories, length, args.repeats, clock)
+        ours, base, sgl = got["ours"], got["base"], got.get("sglang")
         for op, r in ours.items():
-            ref = SGLANG_REF.get((op, length))
+            if sgl is not None:
+                ref, mark = sgl.get(op), ""
+            else:
+                ref, mark = SGLANG_REF.get((op, length)), " q"
+            ref_s = f"{ref:,.0f}{mark}" if ref else "-"
             vs = f"{r / ref:.2f}x" if ref else "-"
             print(f"{op:<16} {length:>5} {r:>10,.0f} {r * length / 1e6:>8.1f} {base[op]:>14,.0f} "
-                  f"{r / base[op]:>5.1f}x {vs:>9}")  # fmt: skip
+                  f"{r / base[op]:>5.1f}x {ref_s:>9} {vs:>9}")  # fmt: skip
 
 
 if __name__ == "__main__":
