@@ -112,7 +112,7 @@ class KVManager:
         if not self.enabled or n <= self.table.owned_from(req.rid):
             return None
         tokens = self._keys(req.fill_slice(0, n))
-        self.cache.insert(tokens, self.table.slots(req.rid)[:n], req.namespace)
+        self.cache.insert(tokens, self.table.slots(req.rid), req.namespace)  # reads [:n]
         m = self.cache.match_prefix(tokens, req.namespace)
         assert m.length == n, f"inserted {n} tokens but matched {m.length}"
         self.table.adopt_prefix(req.rid, m.slots)
