@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from radixserve.engine.detokenizer import IncrementalDetokenizer
-from radixserve.engine.messages import TokenOut
+from radixserve.engine.detokenizer import IncrementalDetokenizer, _detokenize
+from radixserve.engine.messages import AbortReq, CloseStream, StopReq, TokenBatch, TokenOut
+from radixserve.engine.scheduler_proc import Worker
+from radixserve.sched.request import FinishReason
 
 # a byte-level toy tokenizer: token id = one byte, so multi-byte characters span several tokens
 
@@ -47,3 +49,45 @@ def test_partial_stop_prefix_is_released_when_it_is_not_a_stop() -> None:
     assert "".join(streamed) == "a ST b"
     # "S" and "ST" were held back while they could still begin "STOP"
     assert streamed[2] == "" and streamed[3] == ""
+
+
+class _Sent(list):
+    def send_pyobj(self, msg: object) -> None:
+        self.append(msg)
+
+
+def test_a_stop_string_tells_the_scheduler_and_the_stream_is_freed_on_close() -> None:
+    detok = IncrementalDetokenizer(decode)
+    detok.open("r", ("STOP",))
+    to_sched = _Sent()
+    outs = [TokenOut("r", [b], False, None, 3, 0, i + 1) for i, b in enumerate(b"ab STOP cd")]
+    texts = [t for out in outs for t in _detokenize(detok, TokenBatch([out]), to_sched)]
+    assert "".join(t.text for t in texts) == "ab "
+    assert to_sched == [StopReq("r")]  # once, when the stop string completed
+    assert "r" in detok.streams  # kept while the scheduler may still send tokens
+    detok.close("r")
+    assert detok.streams == {}
+    assert detok.feed(TokenOut("r", [65], True, "length", 3, 0, 11)) is None  # late: dropped
+    assert detok.streams == {}
+
+
+def test_the_scheduler_process_closes_the_stream_of_an_aborted_or_stopped_request() -> None:
+    class Sched:
+        def __init__(self) -> None:
+            self.calls: list[tuple[str, str]] = []
+
+        def abort(self, rid: str) -> None:
+            self.calls.append(("abort", rid))
+
+        def finish(self, rid: str, reason: FinishReason) -> None:
+            self.calls.append((reason.value, rid))
+
+    sched, push = Sched(), _Sent()
+    worker = Worker(sched, None, None, push, False)  # type: ignore[arg-type]
+    worker.live.update({"a": [3, (), 0], "s": [3, (), 0]})
+    worker.handle(AbortReq("a"))
+    worker.handle(StopReq("s"))
+    worker.handle(StopReq("gone"))  # finished here before the stop arrived: still closed
+    assert sched.calls == [("abort", "a"), ("stop", "s"), ("stop", "gone")]
+    assert push == [CloseStream("a"), CloseStream("s"), CloseStream("gone")]
+    assert worker.live == {}

@@ -13,6 +13,7 @@ from typing import Any
 import zmq
 
 from radixserve.engine.messages import (
+    CloseStream,
     ErrorOut,
     OpenStream,
     StopReq,
@@ -52,10 +53,10 @@ class IncrementalDetokenizer:
         self.streams[rid] = _Stream(tuple(s for s in stop if s))
 
     def feed(self, out: TokenOut) -> TextOut | None:
-        """Turn a TokenOut into a TextOut; None once the request already stopped on a string."""
-        st = self.streams.get(out.rid) or _Stream(())
-        self.streams[out.rid] = st
-        if st.stopped:
+        """Turn a TokenOut into a TextOut; None once the request stopped on a string or was
+        closed (its stream is opened before its first token, on the same socket)."""
+        st = self.streams.get(out.rid)
+        if st is None or st.stopped:
             return None
         st.ids.extend(out.token_ids)
         self._decode_new(st, final=out.finished)
@@ -74,6 +75,8 @@ class IncrementalDetokenizer:
         )  # fmt: skip
 
     def close(self, rid: str) -> None:
+        """Forget a request: it failed, was aborted, or stopped on a string and the scheduler
+        has sent its last token (a stopped stream is kept until then to drop the rest)."""
         self.streams.pop(rid, None)
 
     def _decode_new(self, st: _Stream, final: bool) -> None:
@@ -127,6 +130,8 @@ def run_detokenizer(tokenizer_spec: TokenizerSpec, endpoints: Endpoints, parent_
             texts = _detokenize(detok, msg, to_sched)
             if texts:
                 to_tm.send_pyobj(TextBatch(texts))
+        elif isinstance(msg, CloseStream):
+            detok.close(msg.rid)
         else:  # ErrorOut, ControlOut: for the API process
             if isinstance(msg, ErrorOut):
                 detok.close(msg.rid)

@@ -36,6 +36,13 @@ class StopReq:
 
 
 @dataclass(slots=True)
+class CloseStream:
+    """Scheduler -> detokenizer: an aborted or stopped request gets no more tokens."""
+
+    rid: str
+
+
+@dataclass(slots=True)
 class ControlReq:
     """A request to the scheduler process that gets one ControlOut back (flush_cache, stats)."""
 

@@ -16,6 +16,7 @@ import zmq
 
 from radixserve.engine.messages import (
     AbortReq,
+    CloseStream,
     ControlOut,
     ControlReq,
     ErrorOut,
@@ -45,12 +46,15 @@ class Worker:
     def handle(self, msg: Any) -> None:
         if isinstance(msg, GenerateReq):
             self._add(msg)
-        elif isinstance(msg, AbortReq):
-            self.scheduler.abort(msg.rid)
+        elif isinstance(msg, (AbortReq, StopReq)):
+            if isinstance(msg, AbortReq):
+                self.scheduler.abort(msg.rid)
+            else:
+                self.scheduler.finish(msg.rid, FinishReason.STOP)
             self.live.pop(msg.rid, None)
-        elif isinstance(msg, StopReq):
-            self.scheduler.finish(msg.rid, FinishReason.STOP)
-            self.live.pop(msg.rid, None)
+            # after every token already sent for it, on the same socket: the detokenizer
+            # can forget the request (always sent: it may have finished here meanwhile)
+            self.push.send_pyobj(CloseStream(msg.rid))
         elif isinstance(msg, ControlReq):
             self.push.send_pyobj(ControlOut(msg.req_id, self._control(msg)))
 
