@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -69,3 +70,36 @@ def test_a_sim_server_loads_no_torch(sim_server):
     for pid in sim_server.tree():
         with open(f"/proc/{pid}/maps") as f:
             assert "libtorch" not in f.read(), pid
+
+
+def test_a_higher_priority_request_overtakes_a_queued_one():
+    """With priority scheduling and one running slot, a request queued later with a higher
+    ``priority`` finishes before an earlier one (SGLang's field names, in both APIs)."""
+    server = ServerProcess(["--sim", "llama3-8b-h100", "--enable-priority-scheduling",
+                            "--max-running-requests", "1"])  # fmt: skip
+    try:
+        done: list[str] = []
+
+        def send(name: str, path: str, body: dict) -> None:
+            reply = server.post(path, body)
+            assert reply.status == 200, reply.body
+            done.append(name)
+
+        blocker = {"text": "hold", "sampling_params": {**SAMPLING, "max_new_tokens": 300}}
+        low = {"text": "low", "priority": 0, "routing_key": "a", "sampling_params": SAMPLING}
+        high = {"prompt": "high", "max_tokens": 6, "priority": 5, "routing_key": "b"}
+        threads = [
+            threading.Thread(target=send, args=("blocker", "/generate", blocker)),
+            threading.Thread(target=send, args=("low", "/generate", low)),
+            threading.Thread(target=send, args=("high", "/v1/completions", high)),
+        ]
+        for t in threads:  # one at a time, so that they arrive in this order
+            t.start()
+            time.sleep(0.3)
+        for t in threads:
+            t.join(30)
+        assert done == ["blocker", "high", "low"]
+        bad = server.post("/generate", {"text": "x", "priority": "high"})
+        assert_error_body(bad, 400)
+    finally:
+        server.stop()

@@ -26,6 +26,21 @@ def cache_namespace(body: Any) -> str | None:
     return f"salt:{body.cache_salt}" if body.cache_salt else None
 
 
+def scheduling_fields(body: Any) -> dict[str, Any]:
+    """What the scheduler reads of a request besides its prompt and sampling: the cache
+    namespace, ``priority`` (with ``--enable-priority-scheduling``) and ``routing_key`` (for
+    ``--schedule-policy routing-key``), SGLang's names for both."""
+    return {
+        "namespace": cache_namespace(body),
+        "priority": body.priority,
+        "routing_key": body.routing_key,
+    }
+
+
+Priority = Annotated[int, Field(ge=-(2**31), lt=2**31)]
+RoutingKey = Annotated[str | None, Field(max_length=256)]
+
+
 class _Body(BaseModel):
     # Unknown fields are ignored (OpenAI clients send many we do not use); declared ones are
     # checked without coercion, and NaN or infinite numbers are refused.
@@ -53,6 +68,8 @@ class _OpenAISampling(_Body):
     stream_options: StreamOptions | None = None
     cache_salt: str | None = Field(None, max_length=256)
     lora_path: str | None = None
+    priority: Priority = 0
+    routing_key: RoutingKey = None
 
     def sampling(self, max_tokens: int | None) -> dict[str, Any]:
         """Keyword arguments for ``sampling_from`` (SGLang's names)."""
@@ -132,6 +149,8 @@ class GenerateRequest(_Body):
     rid: str | None = None
     cache_salt: str | None = Field(None, max_length=256)
     lora_path: str | None = None
+    priority: Priority = 0
+    routing_key: RoutingKey = None
 
 
 BODIES: tuple[type[BaseModel], ...] = (

@@ -21,8 +21,8 @@ from radixserve.server.protocol import (
     CompletionRequest,
     GenerateRequest,
     GenerateSampling,
-    cache_namespace,
     openapi_body,
+    scheduling_fields,
 )
 from radixserve.server.responses import DONE, Choice, Head, JSONBody, generate_body, sse
 from radixserve.server.state import ServerState, read_json
@@ -105,8 +105,8 @@ async def _openai(
     params = ("messages" if chat else "prompt", limit_param)
     default = None if chat else OPENAI_DEFAULT_MAX_TOKENS
     prepared = [state.prepare(p, body.sampling(asked), default, params) for p in prompts]
-    namespace = cache_namespace(body)
-    inputs = [dataclasses.replace(p, namespace=namespace) for p in prepared for _ in range(body.n)]
+    fields = scheduling_fields(body)
+    inputs = [dataclasses.replace(p, **fields) for p in prepared for _ in range(body.n)]
     head = Head.new(chat, state.model_name)
     gen = state.start(inputs, start)
     if body.stream:
@@ -167,9 +167,8 @@ async def _generate(
         state.prepare(p, s.sampling(s.max_new_tokens), SGLANG_DEFAULT_MAX_NEW_TOKENS, params)
         for p, s in zip(prompts, samplings)
     ]
-    namespace = cache_namespace(body)
-    for inp in inputs:
-        inp.namespace = namespace
+    fields = scheduling_fields(body)
+    inputs = [dataclasses.replace(p, **fields) for p in inputs]
     if body.rid is not None and not batch:
         inputs[0].rid = body.rid
     gen = state.start(inputs, start)
