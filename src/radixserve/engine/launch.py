@@ -181,7 +181,6 @@ def _wait_ready(engine: EngineProcesses, conn: Any) -> tuple[str, Any]:
     while not conn.poll(0.5):
         waited += 0.5
         dead = engine.why_dead()
-        if dead or waited > START_TIMEOUT_S:
-            engine.shutdown()
+        if dead or waited > START_TIMEOUT_S:  # the caller shuts the engine down
             raise EngineStartError(f"the scheduler process did not start: {dead or 'timeout'}")
     return conn.recv()
