@@ -12,8 +12,9 @@ import pytest
 
 from radixserve.cli import main
 from radixserve.config import CacheConfig, SchedulerConfig
+from radixserve.sched.request import Req
 from radixserve.sim.cluster import ClusterConfig, ClusterSim, best_hit_rate, simulate
-from radixserve.sim.report import format_table
+from radixserve.sim.report import SimResult, format_table
 from radixserve.sim.runner import SimRunner
 from radixserve.sim.workloads import (
     MultiTurnConfig,
@@ -114,15 +115,27 @@ def test_mooncake_trace_replay_reaches_the_traces_block_hit_rate() -> None:
     assert res.block_hit_rate == pytest.approx(ideal, abs=0.01)
 
 
-def test_chat_turns_wait_for_the_previous_reply_and_reuse_it() -> None:
+def test_chat_turns_wait_for_the_previous_reply_and_reuse_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     runner = SimRunner("llama3-8b-h100")
     cfg = MultiTurnConfig(num_sessions=6, turns=3, system_prompt_len=64, output_len=16)
     reqs = multi_turn_chat(cfg, runner.generate)
+    done: dict[str, Req] = {}
+    record = SimResult.record
+    monkeypatch.setattr(
+        SimResult, "record", lambda res, req: (done.update({req.rid: req}), record(res, req))
+    )
     sim = run(reqs, engines=2)
     res = sim.result  # type: ignore[attr-defined]
     assert res.num_finished == 18
     # the closed loop: each turn is sent think_time_s after the previous reply ended
-    assert res.duration_s > 2 * cfg.think_time_s
+    follow = [r for r in reqs if r.prev_rid is not None]
+    assert len(follow) == 12
+    for r in follow:
+        prev = done[r.prev_rid]
+        assert prev.finish_time is not None and prev.finish_time > 0
+        assert done[r.rid].arrival_time == pytest.approx(prev.finish_time + cfg.think_time_s)
     best = best_hit_rate(reqs, lambda r: runner.generate(r.input_ids, r.output_len))
     assert best > ideal_prefix_hit_rate(reqs)  # replies are part of the next prompt
     assert res.hit_rate >= 0.95 * best
