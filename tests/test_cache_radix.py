@@ -261,17 +261,21 @@ def test_match_slots_survive_later_splits_and_evictions() -> None:
     assert hit.slots == early.slots
     cache._compact_min = 0  # evictions that leave half the slot slab dead compact it
     kept = cache.match_prefix([1, 2, 3, 4, 7])
+    unread = cache.match_prefix([1, 2, 3, 4, 5, 6])  # its slots are first read after eviction
     cache.lock(kept.last_node)
     assert sorted(cache.evict(100)) == [14, 15]
     cache._compact()  # live nodes move to a new slab, the evicted leaf keeps the old one
     assert len(cache._slab) == 5
+    assert unread.slots == [10, 11, 12, 13, 14, 15] and unread.length == 6
     assert hit.slots == early.slots and hit.length == 6
     assert kept.slots == [10, 11, 12, 13, 20]
     assert cache.match_prefix([1, 2, 3, 4, 7, 8]).slots == [10, 11, 12, 13, 20]
     cache.check_integrity()
     cache.unlock(kept.last_node)
+    unread = cache.match_prefix([1, 2, 3, 4, 7])
     assert sorted(cache.evict(100)) == [10, 11, 12, 13, 20]
     assert cache._slab == []  # all dead: compacted by evict itself
+    assert unread.slots == [10, 11, 12, 13, 20]
     assert kept.slots == [10, 11, 12, 13, 20] and hit.slots == early.slots
     cache.check_integrity()
 

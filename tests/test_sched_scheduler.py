@@ -132,6 +132,15 @@ def test_stop_tokens_and_ignore_eos() -> None:
     outs = drive(sched, runner)
     assert outs["stop"] == ref[: ref.index(stop) + 1]
     assert sched.stats().num_finished == 1
+    # a prompt whose greedy output reaches EOS (7) early: it ends there, unless ignore_eos
+    rng = random.Random(0)
+    prompt = next(p for p in (tokens(rng, 20) for _ in range(10_000)) if 7 in reference(p, 20)[:15])
+    full = reference(prompt, 20)
+    sched.add_request(make_req("eos", prompt, max_new=20))
+    sched.add_request(make_req("ignore", prompt, max_new=20, ignore_eos=True))
+    outs = drive(sched, runner)
+    assert outs["eos"] == full[: full.index(7) + 1]
+    assert outs["ignore"] == full and len(full) == 20
 
 
 def test_chunked_prefill_lets_running_requests_keep_decoding() -> None:

@@ -117,7 +117,8 @@ def tokens(rng: random.Random, n: int) -> list[int]:
 
 def make_req(rid: str, prompt: list[int], max_new: int = 8, **kw: object) -> Req:
     stop = kw.pop("stop_token_ids", ())
-    sampling = SamplingParams(max_new_tokens=max_new, stop_token_ids=stop)  # type: ignore[arg-type]
+    ignore_eos = bool(kw.pop("ignore_eos", False))
+    sampling = SamplingParams(max_new_tokens=max_new, stop_token_ids=stop, ignore_eos=ignore_eos)  # type: ignore[arg-type]
     return Req(rid, prompt, sampling, **kw)  # type: ignore[arg-type]
 
 
