@@ -8,9 +8,7 @@
     >= 1.9x (SGLang reported 82,665 -> 158,596 tokens/s), hit rate >= 95% of the best any
     placement reaches (one unbounded cache; computed and printed), busiest engine <= 1.10x the
     mean (by requests and by busy time).
-(iii) the hit rate and wait percentiles as --max-wait-ms varies: one engine (8 running slots,
-    30,000 KV tokens), Poisson arrivals near its capacity, 95% share a 2,000-token prefix and 5%
-    are cold. No target: it shows what the bound trades.
+The hit-rate versus wait curve as --max-wait-ms varies is benchmarks/max_wait_tradeoff.py.
 
     python benchmarks/sim_claims.py [--seeds 3]
 
@@ -24,9 +22,9 @@ import random
 import sys
 
 from _machine import machine_line
-from radixserve.config import CacheConfig, SchedulerConfig
+from radixserve.config import SchedulerConfig
 from radixserve.sim.cluster import ClusterConfig, best_hit_rate, simulate
-from radixserve.sim.report import SimResult, format_table, percentile
+from radixserve.sim.report import SimResult, format_table
 from radixserve.sim.workloads import SharedPrefixConfig, WorkloadRequest, generated_shared_prefix
 
 PRESET = "llama3-8b-h100"
@@ -113,48 +111,6 @@ def cluster_level(seed: int) -> bool:
     )
 
 
-def hot_and_cold(rate: float, cold: float, n: int = 2000) -> list[WorkloadRequest]:
-    rng = random.Random(0)
-    hot = [rng.randrange(32000) for _ in range(2000)]
-    reqs, t = [], 0.0
-    for i in range(n):
-        t += rng.expovariate(rate)
-        if rng.random() < cold:
-            ids = [rng.randrange(32000) for _ in range(2050)]
-        else:
-            ids = hot + [rng.randrange(32000) for _ in range(50)]
-        reqs.append(WorkloadRequest(f"r{i}", t, ids, 32))
-    return reqs
-
-
-def bounded_wait() -> None:
-    reqs = hot_and_cold(rate=23.0, cold=0.05)
-    print(f"\n(iii) bounded waiting: 1 x {PRESET}, 8 running slots, 30,000 KV tokens, 23 req/s")
-    print(f"  best achievable hit rate {best_hit_rate(reqs):.1%}")
-    print(f"  {'policy':<16} {'hit':>6} {'wait p50':>9} {'p99':>6} {'max':>6} {'out tok/s':>9}")
-    for policy, wait in [
-        ("lpm", None),
-        ("lpm", 2000),
-        ("lpm", 1000),
-        ("lpm", 500),
-        ("lpm", 200),
-        ("fcfs", None),
-    ]:
-        sched = SchedulerConfig(schedule_policy=policy, max_wait_ms=wait, max_running_requests=8)
-        res = simulate(
-            reqs,
-            ClusterConfig(engines=1, preset=PRESET),
-            sched,
-            CacheConfig(max_total_tokens=30000),
-        )
-        w = sorted(res.wait)
-        name = policy + ("" if wait is None else f" wait={wait}ms")
-        print(
-            f"  {name:<16} {res.hit_rate:6.1%} {percentile(w, 50):9.2f} {percentile(w, 99):6.2f} "
-            f"{w[-1]:6.2f} {res.output_throughput:9,.0f}"
-        )
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--seeds", type=int, default=1, help="workload seeds to run (0, 1, ...)")
@@ -164,7 +120,6 @@ def main() -> int:
     for seed in range(args.seeds):
         ok &= engine_level(seed)
         ok &= cluster_level(seed)
-    bounded_wait()
     print("\nall targets met" if ok else "\nsome targets missed")
     return 0 if ok else 1
 
