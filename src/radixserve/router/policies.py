@@ -86,8 +86,9 @@ def healthy_indices(workers: Sequence[WorkerView]) -> list[int]:
 
 class RouterPolicy:
     """Picks a worker per request. `select` never changes what the policy believes a worker
-    holds: that is recorded in `on_dispatch`, so a failed dispatch retried elsewhere leaves no
-    trace."""
+    holds: that is recorded in `on_dispatch`, once per attempt (a failed attempt retried
+    elsewhere leaves both workers recorded as holding the prefix, as it may have reached the
+    first one's cache before failing)."""
 
     name = ""
 
@@ -191,8 +192,8 @@ class LeastLoadPolicy(RouterPolicy):
 # State: a MultiTenantTree (tree.py) of what the router has sent each worker, keyed by the
 # request's packed prompt (keys.py) under its namespace (key kind, model, LoRA, cache salt), so
 # it never expects a hit that an engine cannot serve. `select` only reads the tree;
-# `on_dispatch` inserts the key for the chosen worker, so a select whose dispatch fails and is
-# retried elsewhere leaves no trace. Lengths and sizes are in units of 8 key bytes.
+# `on_dispatch` inserts the key for the worker an attempt is sent to (every attempt, retries
+# included). Lengths and sizes are in units of 8 key bytes.
 #
 # select(workers, request, now):
 #   1. Consider healthy workers only; floor = the smallest load (in-flight requests).

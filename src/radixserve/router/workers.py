@@ -43,12 +43,11 @@ class Response:
 class _Exchange:
     """One request's response being received; resolves `done` when complete or failed."""
 
-    __slots__ = ("done", "on_head", "sink", "status", "headers", "chunks", "started")
+    __slots__ = ("done", "on_head", "sink", "status", "headers", "chunks")
 
     def __init__(self, done: asyncio.Future[Response], on_head: OnHead | None) -> None:
         self.done, self.on_head, self.sink = done, on_head, None
         self.status, self.headers, self.chunks = 0, [], []
-        self.started = False  # some byte went to the sink: the caller can no longer retry
 
 
 class HttpConnection(asyncio.Protocol):
@@ -102,7 +101,6 @@ class HttpConnection(asyncio.Protocol):
         if ex.sink is None:
             ex.chunks.append(body)
         else:
-            ex.started = True
             ex.sink(body)
 
     def on_message_complete(self) -> None:
@@ -136,7 +134,7 @@ class ConnectionPool:
         on_head: OnHead | None = None,
         timeout: float | None = None,
     ) -> Response:
-        """Send one request; raises UpstreamError (check `.started` on streams) or TimeoutError."""
+        """Send one request; raises UpstreamError (unreachable, hung up, or timed out)."""
         loop = asyncio.get_running_loop()
         conn = self._idle.pop() if self._idle else await self._connect(loop)
         head = f"{method} {self.base}{path} HTTP/1.1\r\n".encode() + self._host_header
@@ -149,9 +147,6 @@ class ConnectionPool:
             return await ex.done
         except asyncio.CancelledError:
             conn.fail(UpstreamError("cancelled"))  # the client left: the worker should see it
-            raise
-        except UpstreamError as exc:
-            exc.started = ex.started
             raise
         finally:
             if timer is not None:
