@@ -210,3 +210,14 @@ def test_cli_compares_policies_in_one_table(
 def test_cli_rejects_a_parameter_the_workload_lacks(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["sim", "--workload", "trace", "--num-groups", "3"]) == 2
     assert "--num-groups" in capsys.readouterr().err
+
+
+def test_every_cache_aware_setting_is_a_flag_of_route_and_sim() -> None:
+    from radixserve.router.config import RouterConfig
+    from radixserve.router.policies import CachePolicyConfig
+
+    names = [f.name for f in dataclasses.fields(CachePolicyConfig)]
+    for config in (RouterConfig, ClusterConfig):
+        got = config(**{n: getattr(CachePolicyConfig(), n) for n in names}).policy_config()
+        assert got == CachePolicyConfig()
+    assert ClusterConfig(share_slack=float("inf")).policy_config().share_slack == float("inf")

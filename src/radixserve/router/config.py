@@ -102,14 +102,7 @@ class RouterConfig:
         self.policy_config()  # validates the policy's own ranges now, not at first request
 
     def policy_config(self) -> CachePolicyConfig:
-        return CachePolicyConfig(
-            cache_threshold=self.cache_threshold,
-            balance_abs_threshold=self.balance_abs_threshold,
-            balance_rel_threshold=self.balance_rel_threshold,
-            eviction_interval_secs=self.eviction_interval_secs,
-            max_tree_size=self.max_tree_size,
-            share_slack=self.share_slack,
-        )
+        return CachePolicyConfig.taken_from(self)
 
     def health_config(self) -> HealthConfig:
         return HealthConfig(

@@ -6,6 +6,7 @@ Owns the `--policy` registry, `CachePolicyConfig`, and the cache-aware policy's 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections.abc import Callable, Hashable, Sequence
@@ -38,6 +39,11 @@ class CachePolicyConfig:
             raise ValueError("balance_abs_threshold must be >= 0, balance_rel_threshold >= 1")
         if self.eviction_interval_secs < 0 or self.max_tree_size < 0 or self.share_slack < 0:
             raise ValueError("eviction_interval_secs, max_tree_size, share_slack must be >= 0")
+
+    @classmethod
+    def taken_from(cls, settings: object) -> CachePolicyConfig:
+        """The policy's settings out of a larger config that mirrors its fields as flags."""
+        return cls(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(cls)})
 
 
 @dataclass(slots=True, frozen=True)

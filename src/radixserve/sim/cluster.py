@@ -64,6 +64,9 @@ class ClusterConfig:
         _POLICY.eviction_interval_secs, "cache_aware: virtual seconds between tree evictions"
     )
     max_tree_size: int = _f(_POLICY.max_tree_size, "cache_aware: tree units kept per worker")
+    share_slack: float = _f(
+        _POLICY.share_slack, "cache_aware: share above the mean past which hits spill (inf: never)"
+    )
 
     def __post_init__(self) -> None:
         if self.engines < 1:
@@ -74,13 +77,7 @@ class ClusterConfig:
         self.policy_config()
 
     def policy_config(self) -> CachePolicyConfig:
-        return CachePolicyConfig(
-            cache_threshold=self.cache_threshold,
-            balance_abs_threshold=self.balance_abs_threshold,
-            balance_rel_threshold=self.balance_rel_threshold,
-            eviction_interval_secs=self.eviction_interval_secs,
-            max_tree_size=self.max_tree_size,
-        )
+        return CachePolicyConfig.taken_from(self)
 
 
 def default_cache_config(config: ClusterConfig) -> CacheConfig:
