@@ -23,9 +23,14 @@ import sys
 
 from _machine import machine_line
 from radixserve.config import SchedulerConfig
-from radixserve.sim.cluster import ClusterConfig, best_hit_rate, simulate
+from radixserve.sim.cluster import ClusterConfig, simulate
 from radixserve.sim.report import SimResult, format_table
-from radixserve.sim.workloads import SharedPrefixConfig, WorkloadRequest, generated_shared_prefix
+from radixserve.sim.workloads import (
+    SharedPrefixConfig,
+    WorkloadRequest,
+    generated_shared_prefix,
+    ideal_prefix_hit_rate,
+)
 
 PRESET = "llama3-8b-h100"
 
@@ -47,7 +52,7 @@ def check(name: str, ok: bool, detail: str) -> bool:
 
 def engine_level(seed: int) -> bool:
     reqs = burst(seed)
-    best = best_hit_rate(reqs)
+    best = ideal_prefix_hit_rate(reqs)
     print(f"\n(i) engine level, seed {seed}: 1 x {PRESET}, 32 requests (24 share 2,000 tokens)")
     runs = [
         simulate(
@@ -78,7 +83,7 @@ def cluster_level(seed: int) -> bool:
         seed=seed,
     )
     reqs = generated_shared_prefix(cfg)
-    best = best_hit_rate(reqs)
+    best = ideal_prefix_hit_rate(reqs)
     print(
         f"\n(ii) cluster level, seed {seed}: 8 x {PRESET}, {cfg.num_groups} groups x "
         f"{cfg.prompts_per_group} prompts, {cfg.system_prompt_len}-token system prompts"

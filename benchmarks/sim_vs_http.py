@@ -23,8 +23,12 @@ from radixserve.bench.backends import OpenAICompletions
 from radixserve.bench.loadgen import LoadConfig, run_load
 from radixserve.bench.report import summarize
 from radixserve.config import CacheConfig
-from radixserve.sim.cluster import ClusterConfig, best_hit_rate, simulate
-from radixserve.sim.workloads import SharedPrefixConfig, generated_shared_prefix
+from radixserve.sim.cluster import ClusterConfig, simulate
+from radixserve.sim.workloads import (
+    SharedPrefixConfig,
+    generated_shared_prefix,
+    ideal_prefix_hit_rate,
+)
 
 CLI = [sys.executable, "-m", "radixserve"]
 
@@ -111,7 +115,7 @@ def main() -> int:
         f"{wl.output_len} output tokens; {args.concurrency} in flight; {args.engines} x "
         f"{args.preset} workers, {args.kv_tokens:,} KV tokens each"
     )
-    print(f"best achievable hit rate: {best_hit_rate(reqs):.1%}")
+    print(f"best achievable hit rate: {ideal_prefix_hit_rate(reqs):.1%}")
     print(f"{'policy':<12} {'simulated':>9} {'over HTTP':>9} {'diff':>7}")
     worst = 0.0
     for policy in args.policies:

@@ -13,7 +13,7 @@ import pytest
 from radixserve.cli import main
 from radixserve.config import CacheConfig, SchedulerConfig
 from radixserve.sched.request import Req
-from radixserve.sim.cluster import ClusterConfig, ClusterSim, best_hit_rate, simulate
+from radixserve.sim.cluster import ClusterConfig, ClusterSim, simulate
 from radixserve.sim.report import SimResult, format_table
 from radixserve.sim.runner import SimRunner
 from radixserve.sim.workloads import (
@@ -86,7 +86,7 @@ def test_lpm_beats_fcfs_on_one_engine_under_memory_pressure() -> None:
     prompts += [[rng.randrange(32000) for _ in range(2032)] for _ in range(8)]
     rng.shuffle(prompts)
     reqs = [WorkloadRequest(f"r{i}", 0.0, p, 8) for i, p in enumerate(prompts)]
-    best = best_hit_rate(reqs)
+    best = ideal_prefix_hit_rate(reqs)
     hit = {}
     for policy in ("fcfs", "lpm"):
         res = simulate(
@@ -136,7 +136,7 @@ def test_chat_turns_wait_for_the_previous_reply_and_reuse_it(
         prev = done[r.prev_rid]
         assert prev.finish_time is not None and prev.finish_time > 0
         assert done[r.rid].arrival_time == pytest.approx(prev.finish_time + cfg.think_time_s)
-    best = best_hit_rate(reqs, lambda r: runner.generate(r.input_ids, r.output_len))
+    best = ideal_prefix_hit_rate(reqs, outputs=lambda r: runner.generate(r.input_ids, r.output_len))
     assert best > ideal_prefix_hit_rate(reqs)  # replies are part of the next prompt
     assert res.hit_rate >= 0.95 * best
 

@@ -12,12 +12,12 @@ from typing import Any
 
 from radixserve.config import CacheConfig, SchedulerConfig, add_dataclass_args, from_args
 from radixserve.router.policies import POLICIES
-from radixserve.sim.cluster import ClusterConfig, best_hit_rate, simulate
+from radixserve.sim.cluster import ClusterConfig, simulate
 from radixserve.sim.costmodel import COST_MODELS, get_cost_model
 from radixserve.sim.report import SimResult, format_table
 from radixserve.sim.runner import SimRunner
 from radixserve.sim.workload_args import add_workload_args, finite, make_requests
-from radixserve.sim.workloads import block_hit_rate
+from radixserve.sim.workloads import block_hit_rate, ideal_prefix_hit_rate
 
 # flags that take several values: every combination is one run of the comparison
 _SWEPT = {"router": "cache_aware", "schedule_policy": "lpm", "max_wait_ms": None}
@@ -102,7 +102,7 @@ def _run(args: argparse.Namespace) -> int:
     workload, requests = make_requests(args, runner.generate)
     chat = args.workload == "multi-turn"
     outputs = (lambda r: runner.generate(r.input_ids, r.output_len)) if chat else None
-    best = best_hit_rate(requests, outputs, cache.page_size)
+    best = ideal_prefix_hit_rate(requests, cache.page_size, outputs)
     print(_header(args.workload, workload, cluster, cache, requests, best))
     block_tokens = workload.block_tokens if args.workload == "trace" else None
     results = []

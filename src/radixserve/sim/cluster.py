@@ -10,13 +10,12 @@ SimRunner) behind one router policy, on a virtual clock. Owns the event loop and
 
 from __future__ import annotations
 
-import bisect
 import gc
 import heapq
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -335,44 +334,3 @@ def simulate(
     res = sim.run(requests, label, progress, block_tokens)
     res.best_hit_rate = best_hit_rate
     return res
-
-
-def best_hit_rate(
-    requests: Iterable[WorkloadRequest],
-    outputs: Callable[[WorkloadRequest], list[int]] | None = None,
-    page_size: int = 1,
-) -> float:
-    """Share of prompt tokens that one unbounded cache would hold, in arrival order: the best
-    any placement can reach. With ``outputs`` (what the engine generates for a request), the
-    computed part of each reply counts as cached too, as in a chat whose history is reused."""
-    seen: list[list[int]] = []  # earlier cached sequences, sorted
-    hit = total = 0
-    for req in sorted(requests, key=lambda r: r.arrival_s):
-        ids = req.input_ids
-        best = max((_common_prefix(ids, s) for s in _neighbours(seen, ids)), default=0)
-        best = min(best, len(ids) - 1)  # an engine computes at least one token of a prompt
-        hit += best - best % page_size
-        total += len(ids)
-        bisect.insort(seen, ids)
-        if outputs is not None:
-            out = outputs(req)
-            if len(out) > 1:
-                bisect.insort(seen, ids + out[:-1])  # the last token's KV is never computed
-    return hit / total if total else 0.0
-
-
-def _neighbours(seen: list[list[int]], ids: list[int]) -> list[list[int]]:
-    # the sequence sharing the longest prefix with ``ids`` is a neighbour in sorted order
-    i = bisect.bisect_left(seen, ids)
-    return [seen[j] for j in (i - 1, i) if 0 <= j < len(seen)]
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:  # binary search on slice equality: the comparisons run in C
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo

@@ -269,26 +269,38 @@ def _trace_ids(rec: TraceRecord, block_tokens: int, blocks: dict[int, list[int]]
 # --- hit rates -------------------------------------------------------------------------------
 
 
-def ideal_prefix_hit_rate(requests: Iterable[WorkloadRequest], page_size: int = 1) -> float:
-    """Share of prompt tokens that an unbounded cache already holds, in arrival order.
+def ideal_prefix_hit_rate(
+    requests: Iterable[WorkloadRequest],
+    page_size: int = 1,
+    outputs: Callable[[WorkloadRequest], list[int]] | None = None,
+) -> float:
+    """Share of prompt tokens that one unbounded cache already holds, in arrival order: the
+    best any placement can reach.
 
     A token is a hit when the prompt up to and including it (in whole pages) was a prefix of
-    an earlier prompt. Outputs are not cached here, so multi-turn replies count as misses.
+    an earlier cached sequence, except a prompt's last token, which an engine always computes.
+    Without ``outputs`` only prompts are cached, so multi-turn replies count as misses; with
+    it (what the engine generates for a request), each reply but its last token is cached too.
     """
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
-    seen: list[list[int]] = []  # earlier prompts, sorted
+    seen: list[list[int]] = []  # earlier cached sequences, sorted
     hit = total = 0
     for req in sorted(requests, key=lambda r: r.arrival_s):
         ids = req.input_ids
         i = bisect.bisect_left(seen, ids)
-        # the earlier prompt sharing the longest prefix is a sorted-order neighbour
+        # the earlier sequence sharing the longest prefix is a sorted-order neighbour
         best = max(
             (_common_prefix(ids, seen[j]) for j in (i - 1, i) if 0 <= j < len(seen)), default=0
         )
+        best = min(best, len(ids) - 1)
         hit += best - best % page_size
         total += len(ids)
         seen.insert(i, ids)
+        if outputs is not None:
+            out = outputs(req)
+            if len(out) > 1:
+                bisect.insort(seen, ids + out[:-1])  # the last token's KV is never computed
     return hit / total if total else 0.0
 
 
