@@ -126,29 +126,6 @@ class CostModel:
         """``step_time`` with this model's constants worked out once (the simulator's hot path)."""
         return StepTimer(self)
 
-    def _roofline(self, flops: float, nbytes: float) -> float:
-        compute = flops / (self.gpu.peak_flops * self.compute_efficiency)
-        memory = nbytes / (self.gpu.mem_bandwidth * self.bandwidth_efficiency)
-        return max(compute, memory)
-
-    def _linear_time(self, tokens: int) -> float:
-        # 2 FLOPs (multiply, add) per parameter per token; each GPU holds 1/tp of the weights
-        flops = 2 * self.model.num_params * tokens / self.tp
-        return self._roofline(flops, self.model.weight_bytes / self.tp)
-
-    def _attention_time(self, entries: list[StepEntry]) -> float:
-        if not entries:
-            return 0.0
-        m = self.model
-        flops = 0.0
-        nbytes = 0.0
-        for new, ctx, _ in entries:
-            # QK^T and AV: 2 matmuls x 2 FLOPs over hidden_size per (query, key) pair; a causal
-            # query sees the cached context plus on average half of the new tokens
-            flops += 4 * m.num_layers * m.hidden_size * new * (ctx + new / 2)
-            nbytes += self.kv_bytes_per_token_per_gpu * (ctx + new)  # read context, write new
-        return self._roofline(flops / self.tp, nbytes)
-
     def _allreduce_time(self, tokens: int) -> float:
         if self.tp == 1:
             return 0.0
@@ -160,8 +137,12 @@ class CostModel:
 
 
 class StepTimer:
-    """A cost model's ``step_time`` with its constants folded: one pass over the entries, the
-    same float operations in the same order, so the times are equal to the bit."""
+    """A cost model's ``step_time`` with its constants folded, in one pass over the entries.
+
+    Each phase is a roofline, max(FLOPs / effective peak, bytes / effective bandwidth), on one
+    GPU of the tensor-parallel group: the linear layers (2 FLOPs, a multiply and an add, per
+    parameter per token, reading the GPU's share of the weights once per step) and attention
+    (prefills and decodes apart), plus the all-reduces and a fixed per-step overhead."""
 
     __slots__ = (
         "_lin_flops", "_tp", "_compute", "_memory", "_lin_memory", "_attn", "_kv_bytes",
@@ -193,7 +174,9 @@ class StepTimer:
         pre_flops = pre_bytes = dec_flops = dec_bytes = 0.0
         for new, ctx, is_prefill in entries:
             tokens += new
-            # see CostModel._attention_time: QK^T and AV over the context plus half the new
+            # QK^T and AV: 2 matmuls x 2 FLOPs over hidden_size per (query, key) pair, a causal
+            # query seeing the cached context plus on average half of the new tokens; bytes:
+            # read the context's KV, write the new tokens'
             if is_prefill:
                 n_pre += 1
                 pre_flops += attn * new * (ctx + new / 2)
