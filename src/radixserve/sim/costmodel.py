@@ -176,7 +176,7 @@ class StepTimer:
             tokens += new
             # QK^T and AV: 2 matmuls x 2 FLOPs over hidden_size per (query, key) pair, a causal
             # query seeing the cached context plus on average half of the new tokens; bytes:
-            # read the context's KV, write the new tokens'
+            # read the context's KV, write the new tokens
             if is_prefill:
                 n_pre += 1
                 pre_flops += attn * new * (ctx + new / 2)
