@@ -86,12 +86,16 @@ def _label(key: str, value: Any) -> str:
 def run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, RuntimeError) as e:  # RuntimeError: --plot without matplotlib
         print(f"radixserve sim: error: {e}", file=sys.stderr)
         return 2
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.plot:  # before the simulation, not after it
+        from radixserve.sim.plot import import_pyplot
+
+        import_pyplot()
     plain = {k: v for k, v in vars(args).items() if k not in _SWEPT}
     base = argparse.Namespace(**plain, **{k: v for k, v in _SWEPT.items()})
     cluster = from_args(ClusterConfig, base)
