@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterable, Sequence
-from itertools import chain
 from typing import Any
 
 from radixserve.cache.pool import RequestSlotTable, SlotAllocator
-from radixserve.cache.radix import RadixCache, TreeNode
+from radixserve.cache.radix import RadixCache, TreeNode, path_slots
 from radixserve.config import CacheConfig
 from radixserve.sched.request import Req
 
@@ -68,7 +67,7 @@ class KVManager:
 
     def open(self, req: Req) -> None:
         """Give an admitted request its cached prefix (``req.match_node``, already locked)."""
-        prefix = self.path_slots(req.match_node)[: req.prefix_len] if req.match_node else []
+        prefix = path_slots(req.match_node)[: req.prefix_len] if req.match_node else []
         self.table.open(req.rid, prefix)
         req.locked_node = req.match_node
         req.kv_len = req.prefix_len
@@ -127,14 +126,6 @@ class KVManager:
         except (OverflowError, TypeError):
             return tokens
         return keys
-
-    def path_slots(self, node: TreeNode) -> list[int]:
-        """Slots of the cached prefix that ends at ``node`` (read only: no split, no tick)."""
-        parts = []
-        while node.parent is not None:
-            parts.append(node.value)
-            node = node.parent
-        return list(chain.from_iterable(reversed(parts)))
 
     def flush(self) -> None:
         """Drop the whole tree (callers make sure nothing is locked)."""
