@@ -122,6 +122,27 @@ def test_dfs_weight_runs_the_heaviest_subtree_first_and_together() -> None:
     assert one_step(sched, runner) == ["x0", "x1", "x2", "y0", "y1", "cold"]
 
 
+def test_dfs_weight_follows_a_split_under_waiting_requests() -> None:
+    """A request that arrives later and splits the node others wait on moves their subtree
+    weight onto the new upper node; the integrity check recounts every weight."""
+    rng = random.Random(6)
+    x = tokens(rng, 200)
+    sched, runner, _ = make(schedule_policy="dfs-weight", max_running_requests=1)
+    warm(sched, runner, x)
+    sched.add_request(make_req("hold", tokens(rng, 30), 20))
+    one_step(sched, runner)  # "hold" runs; everything below waits behind it
+    waiting = [make_req(f"x{i}", x + tokens(rng, 5)) for i in range(2)]
+    for r in waiting:
+        sched.add_request(r)
+    node = waiting[0].match_node
+    sched.add_request(make_req("half", x[:100] + tokens(rng, 5)))  # its match splits x's node
+    assert waiting[0].match_node is node and node.parent.key.tolist() == x[:100]
+    sched.check_integrity()
+    drive(sched, runner)
+    for r in waiting:
+        assert r.output_ids == reference(r.input_ids, r.sampling.max_new_tokens)
+
+
 @pytest.mark.parametrize("how", ["flag", "policy"])
 def test_priority_runs_higher_priority_first(how: str) -> None:
     kw = {"enable_priority_scheduling": True} if how == "flag" else {"schedule_policy": "priority"}

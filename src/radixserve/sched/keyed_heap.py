@@ -43,6 +43,11 @@ class KeyedHeap:
             heapq.heapify(self._heap)
         self._trim()
 
+    def keys(self) -> dict[Req, Any]:
+        """Every live request's current key (for integrity checks)."""
+        ver = self._ver
+        return {req: key for key, v, req in self._heap if ver.get(req) == v}
+
     def discard(self, req: Req) -> None:
         self._ver.pop(req, None)
         self._trim()

@@ -52,6 +52,10 @@ class WaitingPolicy:
         """Waiting requests, best first, lazily: a pass pays only for what it consumes."""
         raise NotImplementedError
 
+    def check(self, waiting: list[Req]) -> None:
+        """Recount the policy's incremental state against ``waiting`` (integrity checks)."""
+        assert len(self) == len(waiting), "policy and waiting queue disagree"
+
 
 POLICIES: dict[str, type[WaitingPolicy]] = {}
 
@@ -85,6 +89,12 @@ class _SortedPolicy(WaitingPolicy):
 
     def order(self, ctx: PassContext) -> Iterator[Req]:
         return iter(self._heap)
+
+    def check(self, waiting: list[Req]) -> None:
+        super().check(waiting)
+        keys = self._heap.keys()
+        for req in waiting:
+            assert keys.get(req) == self.key(req), f"{req.rid}: stale order key"
 
 
 # fcfs: first come, first served. Arrival order (a retracted request keeps its place), blind
@@ -231,6 +241,11 @@ class PriorityQueues(WaitingPolicy):
         for p in sorted(self._levels, reverse=True):
             yield from self._levels[p].order(ctx)
 
+    def check(self, waiting: list[Req]) -> None:
+        super().check(waiting)
+        for p, level in self._levels.items():
+            level.check([r for r in waiting if r.priority == p])
+
 
 class BoundedWait(WaitingPolicy):
     """--max-wait-ms: requests that have waited at least ``max_wait_s`` come first, oldest
@@ -260,6 +275,10 @@ class BoundedWait(WaitingPolicy):
 
     def on_split(self, upper: Any, lower: Any) -> None:
         self.inner.on_split(upper, lower)
+
+    def check(self, waiting: list[Req]) -> None:
+        super().check(waiting)
+        self.inner.check(waiting)
 
     def order(self, ctx: PassContext) -> Iterator[Req]:
         line = self.clock() - self.max_wait_s  # queued at or before this: aged
@@ -341,6 +360,24 @@ class DfsWeight(WaitingPolicy):
         del kids[lower]
         kids[upper] = None
         self._kids[upper] = {lower: None}
+
+    def check(self, waiting: list[Req]) -> None:
+        """Recount every subtree weight and child set from the requests' nodes."""
+        super().check(waiting)
+        weight: dict[Any, int] = {}
+        kids: dict[Any, dict[Any, None]] = {}
+        for req in waiting:
+            assert self._node_of[req] is req.match_node, f"{req.rid}: stale node"
+            node = req.match_node
+            while node is not None:
+                weight[node] = weight.get(node, 0) + 1
+                if node.parent is not None:
+                    kids.setdefault(node.parent, {})[node] = None
+                node = node.parent
+        assert weight == self._weight, "dfs-weight: subtree weights miscounted"
+        assert {n: set(k) for n, k in kids.items()} == {n: set(k) for n, k in self._kids.items()}, (
+            "dfs-weight: child sets wrong"
+        )
 
     def _heaviest_first(self, node: Any) -> Iterator[Any]:
         return iter(sorted(self._kids.get(node, ()), key=self._weight.__getitem__, reverse=True))

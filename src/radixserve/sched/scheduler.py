@@ -416,7 +416,7 @@ class Scheduler:
         self.kv.check(running, in_flight=self._in_flight is not None)
         waiting = [r for r in self._reqs.values() if r.state is ReqState.WAITING]
         assert len(waiting) + len(running) == len(self._reqs), "a request is lost"
-        assert len(self.policy) == len(waiting), "policy and waiting queue disagree"
+        self.policy.check(waiting)
         assert all(r.state is ReqState.RUNNING for r in running)
         keys = Counter(r.routing_key for r in running if r.routing_key is not None)
         assert keys == self.running.keys, "running routing keys miscounted"
