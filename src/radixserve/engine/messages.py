@@ -9,7 +9,7 @@ detokenizer -> tokenizer mgr:   TextBatch, ErrorOut, ControlOut
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from radixserve.sched.request import SamplingParams
@@ -48,7 +48,6 @@ class ControlReq:
 
     req_id: str
     op: str
-    args: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

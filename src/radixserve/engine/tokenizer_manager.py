@@ -9,7 +9,7 @@ import asyncio
 import itertools
 import os
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,7 +115,7 @@ class TokenizerManager:
             raise RequestError("the prompt is empty")
         return ids
 
-    def check_length(self, ids: Sequence[int], sampling: SamplingParams) -> None:
+    def check_length(self, ids: Sequence[int]) -> None:
         if len(ids) >= self.context_length:
             raise RequestError(
                 f"the prompt has {len(ids)} tokens; this model's context length is "
@@ -130,7 +130,7 @@ class TokenizerManager:
         if self.dead:
             raise EngineDeadError(self.dead)
         ids = self.tokenize(inp)
-        self.check_length(ids, inp.sampling)
+        self.check_length(ids)
         rid = inp.rid or f"{self._prefix}-{next(self._ids)}"
         if rid in self._pending:
             raise RequestError(f"request id {rid!r} is already in use")
@@ -152,14 +152,14 @@ class TokenizerManager:
             if not finished and not self.dead:
                 await self._push.send_pyobj(AbortReq(rid))
 
-    async def control(self, op: str, timeout: float = 30.0, **args: Any) -> Any:
+    async def control(self, op: str, timeout: float = 30.0) -> Any:
         """Ask the scheduler process something (``flush_cache``, ``stats``)."""
         if self.dead:
             raise EngineDeadError(self.dead)
         req_id = f"ctl-{next(self._ids)}"
         fut = self._controls[req_id] = asyncio.get_running_loop().create_future()
         try:
-            await self._push.send_pyobj(ControlReq(req_id, op, args))
+            await self._push.send_pyobj(ControlReq(req_id, op))
             return await asyncio.wait_for(fut, timeout)
         finally:
             self._controls.pop(req_id, None)
@@ -193,11 +193,3 @@ class TokenizerManager:
         for fut in self._controls.values():
             if not fut.done():
                 fut.set_exception(EngineDeadError(f"engine process died: {self.dead}"))
-
-
-def usage_of(out: TextOut) -> Mapping[str, int]:
-    return {
-        "prompt_tokens": out.prompt_tokens,
-        "completion_tokens": out.completion_tokens,
-        "cached_tokens": out.cached_tokens,
-    }

@@ -40,7 +40,6 @@ class SpanGroup:
 class StepPlan:
     """Everything a forward step needs besides the weights, on the model's device."""
 
-    order: list[int]  # entry index of each group of rows, in row order
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     write_slots: torch.Tensor  # [T] where each row's K/V is stored
@@ -71,7 +70,6 @@ def build_plan(entries: Sequence[BatchEntry], device: torch.device, dtype: torch
         return torch.tensor(xs, dtype=torch.int64, device=device)
 
     return StepPlan(
-        order=order,
         input_ids=as_tensor(ids),
         positions=as_tensor(pos),
         write_slots=as_tensor(write),

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
 import torch
@@ -36,9 +35,7 @@ class TorchRunner:
         model_dir = resolve_model_dir(model_config)
         self.info: ModelInfo = load_model_info(model_dir, model_config.context_length)
         arch = read_arch(model_dir)
-        started = time.perf_counter()
         self.model = LlamaModel(arch, load_weights(model_dir), self.dtype, self.device)
-        self.load_seconds = time.perf_counter() - started
         self.kv = self.model.new_kv_pool(num_slots)
         self.sampler = Sampler(model_config.sampling_seed)
 
