@@ -92,7 +92,7 @@ class RequestTrack:
             m.prompt_tokens.inc(out.prompt_tokens)
             m.cached_tokens.inc(out.cached_tokens)
         elif n and self.last is not None:
-            # a delta may carry several tokens (the detokenizer holds back partial characters)
+            # one token per output today; should an output carry several, spread the gap
             for _ in range(n):
                 m.itl.observe((now - self.last) / n)
         if n:
