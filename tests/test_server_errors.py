@@ -61,6 +61,7 @@ BAD = [
     ("top-p-0", "/v1/completions", {"prompt": "a", "top_p": 0}, 400, None),
     ("n-0", "/v1/completions", {"prompt": "a", "n": 0}, 400, None),
     ("n-too-many", "/v1/completions", {"prompt": "a", "n": 9}, 400, None),
+    ("batch-too-big", "/generate", {"text": ["a"] * 9}, 400, None),
     ("empty-prompt-list", "/v1/completions", {"prompt": []}, 400, None),
     ("empty-ids", "/generate", {"input_ids": []}, 400, None),
     ("id-out-of-vocab", "/generate", {"input_ids": [1, 10**6]}, 400, None),

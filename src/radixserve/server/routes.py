@@ -161,6 +161,7 @@ async def _generate(
     request: Request, state: ServerState, body: GenerateRequest, start: float
 ) -> Response:
     prompts, batch, param = _generate_prompts(body)
+    state.check_batch(len(prompts))  # before tokenizing any of them
     samplings = _samplings(body.sampling_params, len(prompts))
     params = (param, "sampling_params.max_new_tokens")
     inputs = [

@@ -104,8 +104,8 @@ class ServerState:
                 f"generate); the model's {what} allows {self.window}")  # fmt: skip
 
     def start(self, inputs: Sequence[GenerateInput], start: float) -> Generation:
-        """Send ``inputs`` to the engine; the caller must ``close()`` what this returns."""
-        self.check_batch(len(inputs))
+        """Send ``inputs`` to the engine (``check_batch`` passed before they were prepared);
+        the caller must ``close()`` what this returns."""
         tracks = [self.metrics.track(start) for _ in inputs]
         return Generation(self.tm, inputs, tracks, self.live)
 
