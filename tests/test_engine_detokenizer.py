@@ -6,6 +6,7 @@ from radixserve.engine.detokenizer import IncrementalDetokenizer, _detokenize
 from radixserve.engine.messages import AbortReq, CloseStream, StopReq, TokenBatch, TokenOut
 from radixserve.engine.scheduler_proc import Worker
 from radixserve.sched.request import FinishReason
+from test_sched_support import make_req
 
 # a byte-level toy tokenizer: token id = one byte, so multi-byte characters span several tokens
 
@@ -84,7 +85,7 @@ def test_the_scheduler_process_closes_the_stream_of_an_aborted_or_stopped_reques
 
     sched, push = Sched(), _Sent()
     worker = Worker(sched, None, None, push, False)  # type: ignore[arg-type]
-    worker.live.update({"a": [3, (), 0], "s": [3, (), 0]})
+    worker.live.update({rid: make_req(rid, [1, 2, 3]) for rid in ("a", "s")})
     worker.handle(AbortReq("a"))
     worker.handle(StopReq("s"))
     worker.handle(StopReq("gone"))  # finished here before the stop arrived: still closed

@@ -40,8 +40,7 @@ class Worker:
     pull: zmq.Socket
     push: zmq.Socket
     realtime: bool
-    # rid -> (prompt tokens, stop token ids, tokens generated so far) of every live request
-    live: dict[str, list[Any]] = field(default_factory=dict)
+    live: dict[str, Req] = field(default_factory=dict)  # requests whose tokens go out
 
     def handle(self, msg: Any) -> None:
         if isinstance(msg, GenerateReq):
@@ -67,7 +66,7 @@ class Worker:
         except ValueError as e:
             self.push.send_pyobj(ErrorOut(msg.rid, str(e), 400))
             return
-        self.live[msg.rid] = [len(msg.input_ids), msg.sampling.stop_token_ids, 0]
+        self.live[msg.rid] = req
         self.push.send_pyobj(OpenStream(msg.rid, msg.sampling.stop))
 
     def _control(self, msg: ControlReq) -> Any:
@@ -103,16 +102,16 @@ class Worker:
         return True
 
     def _token_out(self, o: TokenOutput) -> TokenOut | None:
-        live = self.live.get(o.rid)
-        if live is None:  # stopped or aborted meanwhile
+        req = self.live.get(o.rid)
+        if req is None:  # stopped or aborted meanwhile
             return None
-        live[2] += 1
         reason = o.finish_reason.value if o.finish_reason is not None else None
-        matched = o.token_id if o.finished and o.token_id in live[1] else None
+        stops = req.sampling.stop_token_ids
+        matched = o.token_id if o.finished and o.token_id in stops else None
         if o.finished:
             del self.live[o.rid]
-        return TokenOut(o.rid, [o.token_id], o.finished, reason, live[0], o.cached_tokens,
-                        live[2], matched)  # fmt: skip
+        return TokenOut(o.rid, [o.token_id], o.finished, reason, len(req.input_ids),
+                        o.cached_tokens, req.num_generated, matched)  # fmt: skip
 
     def loop(self) -> None:
         busy = False
