@@ -1,7 +1,10 @@
 """Fixtures shared by several test modules: one tiny-model HTTP server for every
-tests/test_server_*.py module (starting one costs seconds on a small machine)."""
+tests/test_server_*.py module (starting one costs seconds on a small machine), and the path of
+Mooncake's trace."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -28,3 +31,11 @@ def tiny_server(tiny_model_dir):
     server = ServerProcess(["--model", str(tiny_model_dir), *TINY_SERVER_ARGS])
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def mooncake_trace() -> Path:
+    """Mooncake's synthetic trace, as committed under traces/."""
+    path = Path(__file__).parents[1] / "traces" / "mooncake_synthetic_trace.jsonl"
+    assert path.exists(), f"{path} is part of the repository"
+    return path

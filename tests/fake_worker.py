@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import subprocess
 import sys
 import time
 from collections import OrderedDict
@@ -245,6 +246,19 @@ async def serve(port: int, name: str, model: str, token_delay_ms: float, cache: 
     print(f"READY {bound}", flush=True)
     async with server:
         await server.serve_forever()
+
+
+def spawn(*flags: str) -> tuple[subprocess.Popen, str]:
+    """Start this script as a process on a free loopback port; returns it and its URL once it
+    listens. The caller kills it."""
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--port", "0", *flags], stdout=subprocess.PIPE, text=True
+    )
+    line = proc.stdout.readline()  # type: ignore[union-attr]
+    if not line.startswith("READY "):
+        proc.kill()
+        raise RuntimeError(f"the fake worker did not start: {line!r}")
+    return proc, f"http://127.0.0.1:{int(line.split()[1])}"
 
 
 def main() -> None:

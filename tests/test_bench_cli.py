@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import subprocess
-import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +15,7 @@ import pytest
 
 pytest.importorskip("httpx")
 
+from fake_worker import spawn  # noqa: E402
 from radixserve.bench.backends import BACKENDS, OpenAIChat, OpenAICompletions, SGLangGenerate  # noqa: E402
 from radixserve.bench.loadgen import LoadConfig, RequestRecord, run_load  # noqa: E402
 from radixserve.bench.report import summarize  # noqa: E402
@@ -28,16 +27,12 @@ from radixserve.sim.workloads import (  # noqa: E402
     multi_turn_chat,
 )
 
-FAKE = Path(__file__).with_name("fake_worker.py")
-
 
 @pytest.fixture(scope="module")
 def worker() -> Iterator[str]:
-    cmd = [sys.executable, str(FAKE), "--port", "0", "--token-delay-ms", "1"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    proc, url = spawn("--token-delay-ms", "1")
     try:
-        port = int(proc.stdout.readline().split()[1])  # type: ignore[union-attr]
-        yield f"http://127.0.0.1:{port}"
+        yield url
     finally:
         proc.kill()
         proc.wait()

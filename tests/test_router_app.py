@@ -6,32 +6,26 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("httptools")
 
+from fake_worker import spawn  # noqa: E402
 from radixserve.router.app import Router, request_view  # noqa: E402
 from radixserve.router.config import RouterConfig  # noqa: E402
 from radixserve.router.keys import ids_key, text_key  # noqa: E402
 from radixserve.router.workers import ConnectionPool  # noqa: E402
-
-FAKE = Path(__file__).with_name("fake_worker.py")
 
 
 class FakeWorker:
     """A fake worker process on a free port."""
 
     def __init__(self, name: str, *flags: str) -> None:
-        cmd = [sys.executable, str(FAKE), "--port", "0", "--name", name, *flags]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-        self.name, self.port = name, int(self.proc.stdout.readline().split()[1])
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc, self.url = spawn("--name", name, *flags)
+        self.name, self.port = name, int(self.url.rsplit(":", 1)[1])
 
     def post(self, path: str, obj: dict) -> dict:
         return call("POST", f"127.0.0.1:{self.port}", path, obj)[1]

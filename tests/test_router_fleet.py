@@ -2,7 +2,7 @@
 a worker killed mid-load costs no non-streaming request, workers come and go at run time, and
 streams pass through. Workers are identified by the router's own counters, not by their answers.
 
-Worker processes come from `launch_worker`, the one place that knows how to start one:
+Worker processes come from `launch_worker`, which starts either kind and waits for its ready line:
 `radixserve serve --sim tiny-cpu` workers (the real server, scheduler and radix cache with a
 simulated runner) by default; RADIXSERVE_TEST_WORKER=fake starts tests/fake_worker.py instead.
 """

@@ -29,16 +29,7 @@ from radixserve.sim.workloads import (
     trace_replay,
 )
 
-MOONCAKE = "mooncake_synthetic_trace.jsonl"
-TRACE_DIRS = [Path(__file__).parents[1] / "traces", Path(__file__).parents[2] / "shared" / "traces"]
 CACHE = CacheConfig(max_total_tokens=200_000)
-
-
-def mooncake_path() -> Path:
-    for d in TRACE_DIRS:
-        if (d / MOONCAKE).exists():
-            return d / MOONCAKE
-    pytest.skip(f"{MOONCAKE} not found in {TRACE_DIRS}")
 
 
 def groups(**kw: object) -> list[WorkloadRequest]:
@@ -101,8 +92,8 @@ def test_lpm_beats_fcfs_on_one_engine_under_memory_pressure() -> None:
     assert hit["fcfs"] < hit["lpm"] - 0.02  # FCFS recomputes the evicted system prompt
 
 
-def test_mooncake_trace_replay_reaches_the_traces_block_hit_rate() -> None:
-    path = str(mooncake_path())
+def test_mooncake_trace_replay_reaches_the_traces_block_hit_rate(mooncake_trace: Path) -> None:
+    path = str(mooncake_trace)
     # 16 tokens per 512-token block and short outputs keep it fast; neither changes which
     # blocks repeat, so the hit rate is the trace's own
     reqs = trace_replay(TraceConfig(path=path, block_tokens=16))

@@ -25,16 +25,6 @@ from radixserve.sim.workloads import (
     trace_replay,
 )
 
-MOONCAKE = "mooncake_synthetic_trace.jsonl"
-TRACE_DIRS = [Path(__file__).parents[1] / "traces", Path(__file__).parents[2] / "shared" / "traces"]
-
-
-def mooncake_path() -> Path:
-    for d in TRACE_DIRS:
-        if (d / MOONCAKE).exists():
-            return d / MOONCAKE
-    pytest.skip(f"{MOONCAKE} not found in {TRACE_DIRS}")
-
 
 def gsp(**kw: object) -> list[WorkloadRequest]:
     base = dict(num_groups=4, prompts_per_group=5, system_prompt_len=64, question_len=8)
@@ -133,8 +123,8 @@ def test_trace_options_and_bad_lines(tmp_path: Path) -> None:
         read_trace(bad)
 
 
-def test_mooncake_trace_hits_about_two_thirds_of_its_blocks() -> None:
-    records = read_trace(str(mooncake_path()))
+def test_mooncake_trace_hits_about_two_thirds_of_its_blocks(mooncake_trace: Path) -> None:
+    records = read_trace(str(mooncake_trace))
     assert len(records) == 3993
     mean_input = sum(r.input_length for r in records) / len(records)
     assert 14_000 < mean_input < 16_500  # the paper: 15,325
