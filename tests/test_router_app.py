@@ -14,9 +14,8 @@ import pytest
 pytest.importorskip("httptools")
 
 from fake_worker import spawn  # noqa: E402
-from radixserve.router.app import Router, request_view  # noqa: E402
+from radixserve.router.app import Router  # noqa: E402
 from radixserve.router.config import RouterConfig  # noqa: E402
-from radixserve.router.keys import ids_key, text_key  # noqa: E402
 from radixserve.router.workers import ConnectionPool  # noqa: E402
 
 
@@ -305,12 +304,3 @@ def test_metrics_count_per_worker_and_expected_hits(workers, make_router):
     assert call("POST", r.addr, "/flush_cache")[0] == 200
     text = call("GET", r.addr, "/metrics")[1]
     assert f'radixserve_router_tree_size_units{{worker="{holder.url}"}} 0' in text
-
-
-def test_request_key_and_namespace():
-    chat = request_view({"messages": [{"role": "user", "content": "hi"}], "model": "m"})
-    assert chat.namespace[1] == "m" and chat.key == text_key("<user>hi\n")
-    ids = request_view({"input_ids": [1, 2, 3], "lora_path": "a", "cache_salt": "s"})
-    assert ids.key == ids_key([1, 2, 3]) and ids.namespace[2:] == ("a", "s")
-    assert request_view({"prompt": [5, 6]}).key == ids_key([5, 6])
-    assert request_view({"text": "abc"}).namespace != request_view({"input_ids": [1]}).namespace

@@ -11,6 +11,7 @@ from collections.abc import Hashable
 
 import pytest
 
+from radixserve.router.keys import ids_key, text_key
 from radixserve.router.policies import (
     POLICIES,
     CacheAwarePolicy,
@@ -321,3 +322,15 @@ def test_sixteen_prefix_groups_stay_put_and_load_stays_even(
     assert max(fleet.sent.values()) <= 1.10 * sum(fleet.sent.values()) / 4
     assert max(in_flight) <= 1.10 * sum(in_flight) / 4
     fleet.policy.tree.check_integrity()
+
+
+def test_request_key_and_namespace() -> None:
+    chat = RequestView.from_payload({"messages": [{"role": "user", "content": "hi"}], "model": "m"})
+    assert chat.namespace[1] == "m" and chat.key == text_key("<user>hi\n")
+    ids = RequestView.from_payload({"input_ids": [1, 2, 3], "lora_path": "a", "cache_salt": "s"})
+    assert ids.key == ids_key([1, 2, 3]) and ids.namespace[2:] == ("a", "s")
+    assert RequestView.from_payload({"prompt": [5, 6]}).key == ids_key([5, 6])
+    assert (
+        RequestView.from_payload({"text": "abc"}).namespace
+        != RequestView.from_payload({"input_ids": [1]}).namespace
+    )

@@ -77,6 +77,38 @@ class RequestView:
             return cls(ids_key(input_ids), namespace("ids", model, lora, cache_salt))
         return cls(text_key(text or ""), namespace("text", model, lora, cache_salt))
 
+    @classmethod
+    def from_payload(cls, payload: dict) -> RequestView:
+        """The view of a request body: token ids if given, else the prompt text or the
+        rendered chat, in the namespace (model, LoRA adapter, cache salt) the engine caches
+        under."""
+        ids, text = payload.get("input_ids"), payload.get("text")
+        if ids is None and text is None:
+            text = payload.get("prompt")
+            if text is None and isinstance(payload.get("messages"), list):
+                text = "".join(_render(m) for m in payload["messages"])
+        while isinstance(text, list) and text and isinstance(text[0], list | str):
+            text = text[0]  # a batch keys on its first prompt
+        if isinstance(text, list):
+            ids, text = text, None  # OpenAI's prompt may be token ids
+        lora = payload.get("lora_path", payload.get("lora")) or ""
+        return cls.from_prompt(
+            text if isinstance(text, str) else None,
+            ids if isinstance(ids, list) and ids and isinstance(ids[0], int) else None,
+            str(payload.get("model") or ""),
+            lora if isinstance(lora, str) else str(lora),
+            str(payload.get("cache_salt") or ""),
+        )
+
+
+def _render(message: object) -> str:
+    if not isinstance(message, dict):
+        return str(message)
+    content = message.get("content")
+    if isinstance(content, list):  # multi-part content: the text parts carry the prefix
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return f"<{message.get('role')}>{content}\n"
+
 
 class NoWorkerAvailable(RuntimeError):
     """No healthy worker to route to; the proxy answers 503."""
