@@ -53,7 +53,7 @@ def test_eviction_drops_least_recently_used_leaves_first() -> None:
     tree.insert(key_of(1, 2, 3), "a", now=1.0)
     tree.insert(key_of(4, 5, 6), "a", now=2.0)
     tree.insert(key_of(1, 2, 3), "b", now=3.0)
-    assert tree.evict_tenant_by_size(4) == 3
+    assert tree.evict_tenant_by_cost(4) == 3
     assert tree.prefix_match_tenant(key_of(1, 2, 3), "a") == 0
     assert tree.prefix_match_tenant(key_of(4, 5, 6), "a") == 3
     assert tree.prefix_match(key_of(1, 2, 3)) == (3, ["b"])
@@ -66,7 +66,7 @@ def test_node_units_make_eviction_bound_memory_not_only_key_bytes() -> None:
         tree.insert(key_of(7, i), "a", now=float(i))
     assert (tree.size("a"), tree.cost("a")) == (9, 9 + 90)
     tree.insert(key_of(7, 1, 5), "b", now=9.0)  # splits nothing new for a
-    assert tree.evict_tenant_by_size(50) == 5  # five oldest leaves: 45 units of cost each 11
+    assert tree.evict_tenant_by_cost(50) == 5  # five oldest leaves: 45 units of cost each 11
     assert tree.cost("a") <= 50 and tree.prefix_match_tenant(key_of(7, 8), "a") == 2
     assert tree.prefix_match_tenant(key_of(7, 1), "a") == 1  # its oldest leaf went first
     tree.check_integrity()
@@ -76,7 +76,7 @@ def test_eviction_under_a_node_with_many_children() -> None:
     tree = MultiTenantTree()
     for i in range(20_000):  # one shared system prompt, 20,000 distinct continuations
         tree.insert(key_of(1, 2, i + 10), "a", now=float(i))
-    assert tree.evict_tenant_by_size(2 + 10_000) == 10_000  # children counted once, not rescanned
+    assert tree.evict_tenant_by_cost(2 + 10_000) == 10_000  # children counted once, not rescanned
     assert tree.prefix_match_tenant(key_of(1, 2, 10), "a") == 2
     assert tree.prefix_match_tenant(key_of(1, 2, 20_009), "a") == 3
     tree.check_integrity()
@@ -165,7 +165,7 @@ class TreeVersusNaive(RuleBasedStateMachine):
     @rule(max_size=st.integers(0, 8))
     def evict(self, max_size: int) -> None:
         before = {t: self.tree.size(t) for t in TENANTS}
-        self.tree.evict_tenant_by_size(max_size)
+        self.tree.evict_tenant_by_cost(max_size)
         for (ns, tenant), held in self.held.items():
             kept = {p: s for p, s in held.items() if self.holds(p, tenant, ns)}
             gone = set(held) - set(kept)

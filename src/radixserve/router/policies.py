@@ -343,7 +343,7 @@ class CacheAwarePolicy(RouterPolicy):
 
     def _evict(self) -> None:
         cap = self.config.max_tree_size
-        self.tree.evict_tenant_by_size(cap - cap // 8)
+        self.tree.evict_tenant_by_cost(cap - cap // 8)
 
     def expected_hit_rate(self) -> float:
         """Share of dispatched key units that the chosen worker already held."""

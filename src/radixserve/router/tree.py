@@ -179,14 +179,14 @@ class MultiTenantTree:
             pos, node = pos + n, child
         return (len(key) if held < 0 else held) // UNIT
 
-    def evict_tenant_by_size(self, max_size: int) -> int:
-        """Evict least recently used leaves of every tenant whose cost is above `max_size` units;
-        returns the key units evicted."""
-        over = {t for t in self._sizes if self.cost(t) > max_size}
+    def evict_tenant_by_cost(self, max_cost: int) -> int:
+        """Evict least recently used leaves of every tenant whose cost (key units plus
+        node_units per node) is above `max_cost`; returns the key units evicted."""
+        over = {t for t in self._sizes if self.cost(t) > max_cost}
         if not over:
             return 0
         heaps, held = self._leaf_heaps(over)
-        evicted = sum(self._evict_tenant(t, heaps[t], held, max_size) for t in over)
+        evicted = sum(self._evict_tenant(t, heaps[t], held, max_cost) for t in over)
         self._drop_empty_roots()
         return evicted
 
@@ -283,10 +283,10 @@ class MultiTenantTree:
         return heaps, held
 
     def _evict_tenant(
-        self, tenant: Tenant, heap: list[_HeapItem], held: _Held, max_size: int
+        self, tenant: Tenant, heap: list[_HeapItem], held: _Held, max_cost: int
     ) -> int:
         evicted = 0
-        while heap and self.cost(tenant) > max_size:
+        while heap and self.cost(tenant) > max_cost:
             _, _, node = heapq.heappop(heap)
             del node.tenants[tenant]
             evicted += len(node.edge) // UNIT
