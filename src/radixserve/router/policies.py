@@ -48,7 +48,9 @@ class CachePolicyConfig:
 
 @dataclass(slots=True, frozen=True)
 class WorkerView:
-    """What a policy may know of a worker: its id, in-flight requests, health."""
+    """What a policy may know of a worker: its id, in-flight requests, health, and the size
+    of its in-flight prompts (``queued_tokens``, least_load's tie-break: key units in the
+    router, which sees text, tokens in the simulator; only compared between workers)."""
 
     id: Hashable
     load: int = 0
