@@ -13,6 +13,7 @@ pytest.importorskip("torch")
 
 from radixserve.engine.engine import Engine  # noqa: E402
 from radixserve.engine.tokenizer_manager import EngineDeadError, RequestError  # noqa: E402
+from server_harness import alive, wait_gone  # noqa: E402
 from tiny_models import build_tiny_model  # noqa: E402
 
 GREEDY = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
@@ -33,14 +34,6 @@ def engine(model_dir):
     eng = Engine(model=str(model_dir), max_total_tokens=2048, context_length=128)
     yield eng
     eng.shutdown()
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def wait_idle(engine: Engine, timeout: float = 10.0):
@@ -129,16 +122,14 @@ def test_dead_scheduler_fails_callers_and_shutdown_leaves_no_process(model_dir):
         eng.generate(PROMPTS[0], GREEDY)
     assert time.monotonic() - started < 10  # an error, not a hang
     eng.shutdown()
-    time.sleep(0.2)
-    assert not any(alive(p) for p in pids)
+    assert wait_gone(pids, 10) == []
 
 
 def test_shutdown_of_a_healthy_engine_leaves_no_process(model_dir):
     with Engine(model=str(model_dir), max_total_tokens=1024) as eng:
         pids = [p.pid for p in eng.procs.procs]
         eng.generate(PROMPTS[0], GREEDY)
-    time.sleep(0.2)
-    assert not any(alive(p) for p in pids)
+    assert wait_gone(pids, 10) == []
 
 
 def test_a_model_without_the_engine_extra_says_how_to_install_it(monkeypatch):
