@@ -3,6 +3,7 @@ registry, in-batch prefix dedupe, the PrefillAdder's budgets, retraction order, 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
@@ -53,10 +54,18 @@ def admission_order(sched: Scheduler, runner: KVRunner, reqs: list[Req]) -> list
 
 # -- policies ---------------------------------------------------------------------------------
 def test_registry_holds_every_policy_of_the_cli() -> None:
-    names = {"fcfs", "lpm", "dfs-weight", "lof", "random", "routing-key", "priority"}
-    assert names <= set(POLICIES)
-    for name in names:
-        make(schedule_policy=name)  # each one builds
+    field = next(f for f in dataclasses.fields(SchedulerConfig) if f.name == "schedule_policy")
+    names = set(field.metadata["choices"])
+    assert names == set(POLICIES)  # the CLI offers exactly what is registered
+    assert {"fcfs", "lpm", "dfs-weight", "lof", "random", "routing-key", "priority"} <= names
+    rng = random.Random(3)
+    for name in names:  # each one builds and runs requests to the right outputs
+        sched, runner, _ = make(schedule_policy=name)
+        reqs = [make_req(f"r{i}", tokens(rng, 20), 4) for i in range(3)]
+        for r in reqs:
+            sched.add_request(r)
+        drive(sched, runner)
+        assert all(r.output_ids == reference(r.input_ids, 4) for r in reqs), name
 
 
 def test_fcfs_and_lpm_order() -> None:
