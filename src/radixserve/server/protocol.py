@@ -51,11 +51,9 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _OpenAISampling(_Body):
-    """Fields shared by /v1/completions and /v1/chat/completions (plus SGLang's extensions)."""
+class _Sampling(_Body):
+    """The sampling fields every endpoint takes, under the same names and limits."""
 
-    model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: TopK = -1
@@ -63,6 +61,29 @@ class _OpenAISampling(_Body):
     stop: Stop = None
     stop_token_ids: TokenIds | None = None
     ignore_eos: bool = False
+
+    def _seed(self) -> int | None:
+        return self.seed
+
+    def sampling(self, max_new_tokens: int | None) -> dict[str, Any]:
+        """Keyword arguments for ``sampling_from`` (SGLang's names)."""
+        return {
+            "max_new_tokens": max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "seed": self._seed(),
+            "stop": self.stop or (),
+            "stop_token_ids": self.stop_token_ids or (),
+            "ignore_eos": self.ignore_eos,
+        }
+
+
+class _OpenAISampling(_Sampling):
+    """Fields shared by /v1/completions and /v1/chat/completions (plus SGLang's extensions)."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
     n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -70,19 +91,6 @@ class _OpenAISampling(_Body):
     lora_path: str | None = None
     priority: Priority = 0
     routing_key: RoutingKey = None
-
-    def sampling(self, max_tokens: int | None) -> dict[str, Any]:
-        """Keyword arguments for ``sampling_from`` (SGLang's names)."""
-        return {
-            "max_new_tokens": max_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "seed": self.seed,
-            "stop": self.stop or (),
-            "stop_token_ids": self.stop_token_ids or (),
-            "ignore_eos": self.ignore_eos,
-        }
 
     @property
     def include_usage(self) -> bool:
@@ -112,31 +120,14 @@ class ChatCompletionRequest(_OpenAISampling):
     logprobs: bool = False
 
 
-class GenerateSampling(_Body):
+class GenerateSampling(_Sampling):
     """SGLang's ``sampling_params``; ``sampling_seed`` is SGLang's name for ``seed``."""
 
     max_new_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: TopK = -1
-    seed: int | None = None
     sampling_seed: int | None = None
-    stop: Stop = None
-    stop_token_ids: TokenIds | None = None
-    ignore_eos: bool = False
 
-    def sampling(self, max_new_tokens: int | None) -> dict[str, Any]:
-        seed = self.seed if self.seed is not None else self.sampling_seed
-        return {
-            "max_new_tokens": max_new_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "seed": seed,
-            "stop": self.stop or (),
-            "stop_token_ids": self.stop_token_ids or (),
-            "ignore_eos": self.ignore_eos,
-        }
+    def _seed(self) -> int | None:
+        return self.seed if self.seed is not None else self.sampling_seed
 
 
 class GenerateRequest(_Body):
