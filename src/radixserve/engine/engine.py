@@ -14,7 +14,7 @@ from typing import Any
 
 from radixserve.engine.launch import EngineConfig, EngineProcesses, launch
 from radixserve.engine.messages import TextOut
-from radixserve.engine.tokenizer_manager import GenerateInput, TokenizerManager
+from radixserve.engine.tokenizer_manager import GenerateInput, TokenizerManager, prompt_inputs
 from radixserve.sched.request import SamplingParams
 
 SamplingArg = Mapping[str, Any] | SamplingParams | None
@@ -130,19 +130,15 @@ class Engine:
 
 
 def _inputs(prompt: Any, input_ids: Any, sampling: Any) -> tuple[list[GenerateInput], bool]:
-    single = isinstance(prompt, str) or (
-        input_ids is not None and len(input_ids) > 0 and isinstance(input_ids[0], int)
-    )
-    if prompt is not None:
-        items = [dict(text=p) for p in ([prompt] if single else prompt)]
-    elif input_ids is not None:
-        items = [dict(input_ids=list(i)) for i in ([input_ids] if single else input_ids)]
-    else:
+    if (prompt is None) == (input_ids is None):
         raise ValueError("give a prompt or input_ids")
-    samplings = sampling if isinstance(sampling, (list, tuple)) else [sampling] * len(items)
-    if len(samplings) != len(items):
+    inputs, batch = prompt_inputs(prompt if prompt is not None else input_ids)
+    samplings = sampling if isinstance(sampling, (list, tuple)) else [sampling] * len(inputs)
+    if len(samplings) != len(inputs):
         raise ValueError("sampling_params must be one dict or one per prompt")
-    return [GenerateInput(**i, sampling=sampling_from(s)) for i, s in zip(items, samplings)], single
+    for inp, s in zip(inputs, samplings):
+        inp.sampling = sampling_from(s)
+    return inputs, not batch
 
 
 def _result(text: str, ids: list[int], out: TextOut) -> dict[str, Any]:

@@ -55,6 +55,21 @@ class GenerateInput:
     namespace: str | None = None
 
 
+def prompt_inputs(prompt: Any) -> tuple[list[GenerateInput], bool]:
+    """One prompt or a batch of them, as text or token ids: the inputs, and whether it was a
+    batch. ValueError when there is no prompt at all."""
+    if isinstance(prompt, str):
+        return [GenerateInput(text=prompt)], False
+    if not prompt:
+        raise ValueError("the prompt is empty")
+    if isinstance(prompt[0], int):
+        return [GenerateInput(input_ids=list(prompt))], False
+    return [
+        GenerateInput(text=p) if isinstance(p, str) else GenerateInput(input_ids=list(p))
+        for p in prompt
+    ], True
+
+
 @dataclass(slots=True)
 class _Pending:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)

@@ -13,7 +13,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.requests import Request
 
 from radixserve.engine.messages import TextOut
-from radixserve.engine.tokenizer_manager import GenerateInput, RequestError
+from radixserve.engine.tokenizer_manager import GenerateInput, RequestError, prompt_inputs
 from radixserve.server.errors import ApiError
 from radixserve.server.protocol import (
     ChatCompletionRequest,
@@ -64,16 +64,14 @@ def _completion_inputs(body: CompletionRequest) -> list[GenerateInput]:
     if body.echo or body.logprobs is not None:
         raise ApiError(400, "echo and logprobs are not supported", "unsupported_parameter",
                        "echo" if body.echo else "logprobs")  # fmt: skip
-    prompt = body.prompt
-    if isinstance(prompt, str):
-        return [GenerateInput(text=prompt)]
-    if not prompt:
-        raise ApiError(400, "the prompt is empty", param="prompt")
-    if isinstance(prompt[0], int):
-        return [GenerateInput(input_ids=list(prompt))]  # type: ignore[arg-type]
-    if isinstance(prompt[0], str):
-        return [GenerateInput(text=p) for p in prompt]  # type: ignore[misc]
-    return [GenerateInput(input_ids=list(p)) for p in prompt]  # type: ignore[arg-type]
+    return _prompts(body.prompt, "prompt")[0]
+
+
+def _prompts(value: Any, param: str) -> tuple[list[GenerateInput], bool]:
+    try:
+        return prompt_inputs(value)
+    except ValueError as e:
+        raise ApiError(400, str(e), param=param) from None
 
 
 def _chat_input(body: ChatCompletionRequest) -> GenerateInput:
@@ -188,16 +186,9 @@ def _generate_prompts(body: GenerateRequest) -> tuple[list[GenerateInput], bool,
     """The prompts, whether they came as a batch, and the field they came in."""
     if (body.text is None) == (body.input_ids is None):
         raise ApiError(400, "give exactly one of text and input_ids", param="text")
-    if isinstance(body.text, str):
-        return [GenerateInput(text=body.text)], False, "text"
-    if body.text is not None:
-        if not body.text:
-            raise ApiError(400, "text is an empty batch", param="text")
-        return [GenerateInput(text=t) for t in body.text], True, "text"
-    ids = body.input_ids or []
-    if not ids or isinstance(ids[0], int):
-        return [GenerateInput(input_ids=list(ids))], False, "input_ids"  # type: ignore[arg-type]
-    return [GenerateInput(input_ids=list(i)) for i in ids], True, "input_ids"  # type: ignore[arg-type]
+    param = "text" if body.text is not None else "input_ids"
+    inputs, batch = _prompts(getattr(body, param), param)
+    return inputs, batch, param
 
 
 def _samplings(
