@@ -12,7 +12,7 @@ from typing import Any
 from tqdm import tqdm
 
 from radixserve.bench.backends import Backend, parse_sse_line
-from radixserve.sim.workloads import WorkloadRequest, render_text
+from radixserve.sim.workloads import Chains, WorkloadRequest, render_text
 
 
 @dataclass(slots=True)
@@ -82,14 +82,7 @@ class _Run:
     def __init__(self, client: Any, requests: Sequence[WorkloadRequest], cfg: LoadConfig) -> None:
         self.client, self.reqs, self.cfg = client, list(requests), cfg
         self.records = [RequestRecord(r.rid, len(r.input_ids)) for r in self.reqs]
-        index = {r.rid: i for i, r in enumerate(self.reqs)}
-        self.followers: dict[int, list[int]] = {}
-        self.roots = []
-        for j, r in enumerate(self.reqs):
-            if r.prev_rid in index:
-                self.followers.setdefault(index[r.prev_rid], []).append(j)  # type: ignore[index]
-            else:
-                self.roots.append(j)
+        self.chains = Chains(self.reqs)
         self.sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
         self.tasks: set[asyncio.Task] = set()
         self.start = 0.0
@@ -99,7 +92,7 @@ class _Run:
         closed = self.cfg.max_concurrency is not None
         with tqdm(total=len(self.reqs), unit="req", disable=not self.cfg.progress) as bar:
             self.bar = bar
-            for i in self.roots:
+            for i in self.chains.roots:
                 self._spawn(i, 0.0 if closed else self.reqs[i].arrival_s)
             while self.tasks:
                 done, _ = await asyncio.wait(set(self.tasks))
@@ -122,8 +115,7 @@ class _Run:
                 await self._send(i)
         self.bar.update(1)
         now = time.perf_counter() - self.start
-        for j in self.followers.get(i, ()):
-            think = max(self.reqs[j].arrival_s - self.reqs[i].arrival_s, 0.0)
+        for j, think in self.chains.after(i):
             self._spawn(j, now + think)
 
     async def _send(self, i: int) -> None:

@@ -34,7 +34,7 @@ from radixserve.sched.scheduler import Scheduler
 from radixserve.sim.costmodel import get_cost_model
 from radixserve.sim.report import EngineLoad, SimResult
 from radixserve.sim.runner import SimRunner
-from radixserve.sim.workloads import WorkloadRequest
+from radixserve.sim.workloads import Chains, WorkloadRequest
 
 _ARRIVE, _DONE, _WAKE = 0, 1, 2
 PROGRESS_MIN_REQUESTS = 5000  # a progress bar only for runs this long (when asked for one)
@@ -171,13 +171,12 @@ class ClusterSim:
         self._block_tokens = block_tokens
         self._reqs = list(requests)
         self._index = {r.rid: i for i, r in enumerate(self._reqs)}
-        self._followers = _followers(self._reqs)
+        self._chains = Chains(self._reqs)
         self._backlog: deque[int] = deque()
         self._outstanding = 0
         self._result = SimResult.empty(label, len(self._reqs), self.config.engines)
-        for i, r in enumerate(self._reqs):
-            if r.prev_rid is None or r.prev_rid not in self._index:
-                self._push(r.arrival_s, _ARRIVE, i)
+        for i in self._chains.roots:
+            self._push(self._reqs[i].arrival_s, _ARRIVE, i)
 
     def _loop(self) -> None:
         events, engines = self._events, self.engines
@@ -275,10 +274,8 @@ class ClusterSim:
     def _finished_one(self, rid: str) -> None:
         """Free the client's slot and release what waited on this request."""
         self._outstanding -= 1
-        for j in self._followers.get(rid, ()):
-            # a chat's next turn: the user reads the reply, then thinks before sending
-            think = self._reqs[j].arrival_s - self._reqs[self._index[rid]].arrival_s
-            self._push(self.now + max(think, 0.0), _ARRIVE, j)
+        for j, think in self._chains.after(self._index[rid]):
+            self._push(self.now + think, _ARRIVE, j)
         if not self._draining:  # a rejected request refills from inside this loop: no recursion
             self._draining = True
             limit = self.config.max_concurrency or math.inf
@@ -308,15 +305,6 @@ def _fewer_gc_passes(young: int = 10_000) -> Iterator[None]:
         yield
     finally:
         gc.set_threshold(*old)
-
-
-def _followers(reqs: Sequence[WorkloadRequest]) -> dict[str, list[int]]:
-    rids = {r.rid for r in reqs}
-    out: dict[str, list[int]] = {}
-    for j, r in enumerate(reqs):
-        if r.prev_rid is not None and r.prev_rid in rids:
-            out.setdefault(r.prev_rid, []).append(j)
-    return out
 
 
 def simulate(

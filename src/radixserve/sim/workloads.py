@@ -9,7 +9,7 @@ import bisect
 import json
 import math
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -37,6 +37,30 @@ class WorkloadRequest:
     # that one finished (plus a think time); ``arrival_s`` is the open-loop estimate
     prev_rid: str | None = None
     hash_ids: tuple[int, ...] = ()  # trace replay: one id per block of the prompt
+
+
+class Chains:
+    """How a closed-loop driver (the simulator, ``radixserve bench``) sends ``reqs``: the roots
+    go at their arrival times; each other request follows the request named by its
+    ``prev_rid``, sent once that one finished plus a think time (a chat's next turn)."""
+
+    def __init__(self, reqs: Sequence[WorkloadRequest]) -> None:
+        self.reqs = reqs
+        index = {r.rid: i for i, r in enumerate(reqs)}
+        self.roots: list[int] = []
+        self.followers: dict[int, list[int]] = {}
+        for j, r in enumerate(reqs):
+            if r.prev_rid is not None and r.prev_rid in index:
+                self.followers.setdefault(index[r.prev_rid], []).append(j)
+            else:
+                self.roots.append(j)
+
+    def after(self, i: int) -> list[tuple[int, float]]:
+        """What request ``i`` finishing releases: (index, think time in seconds) pairs."""
+        reqs = self.reqs
+        return [
+            (j, max(reqs[j].arrival_s - reqs[i].arrival_s, 0.0)) for j in self.followers.get(i, ())
+        ]
 
 
 def poisson_arrivals(n: int, rate: float, rng: random.Random) -> list[float]:
