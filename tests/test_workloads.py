@@ -152,7 +152,7 @@ def test_render_text_is_one_word_per_token_and_reversible() -> None:
 
 
 def test_registry_builds_workloads_by_name() -> None:
-    assert set(WORKLOADS) == {"generated-shared-prefix", "multi-turn", "trace"}
+    assert set(WORKLOADS) == {"generated-shared-prefix", "multi-turn", "shared-prefix-mix", "trace"}
     reqs = make_workload("generated-shared-prefix", num_groups=2, prompts_per_group=2)
     assert len(reqs) == 4
     with pytest.raises(ValueError, match="unknown workload"):

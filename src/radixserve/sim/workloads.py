@@ -198,6 +198,53 @@ def _session(
     return turns
 
 
+# --- shared-prefix mix -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMixConfig:
+    """A stream where each request extends one of a few system prompts with probability
+    ``shared_prob`` and is cold (a prompt of its own, as long) otherwise."""
+
+    num_requests: int = _opt(120, "requests in the stream")
+    shared_prob: float = _opt(0.9, "probability that a request extends a shared system prompt")
+    num_prefixes: int = _opt(8, "shared system prompts, equally popular")
+    system_prompt_len: int = _opt(256, "tokens of each system prompt")
+    question_len: int = _opt(16, "tokens after the system prompt")
+    output_len: int = _opt(8, "tokens to generate per request")
+    request_rate: float = _opt(100.0, "Poisson arrivals per second (inf: all at time 0)")
+    vocab_size: int = _opt(32000, "token ids are drawn from [0, vocab_size)")
+    seed: int = _opt(0, "seed of the generator")
+
+    def __post_init__(self) -> None:
+        if min(self.num_requests, self.num_prefixes, self.system_prompt_len, self.output_len) < 1:
+            raise ValueError(
+                "num_requests, num_prefixes, system_prompt_len and output_len must be >= 1"
+            )
+        if self.question_len < 0:
+            raise ValueError(f"question_len must be >= 0, got {self.question_len}")
+        if not 0 <= self.shared_prob <= 1:
+            raise ValueError(f"shared_prob must be in [0, 1], got {self.shared_prob}")
+
+
+def prefix_mix(cfg: PrefixMixConfig) -> list[WorkloadRequest]:
+    """``num_requests`` prompts in arrival order: shared ones are in group ``pN``, cold ones
+    have no group. The system prompts are drawn first, so they do not depend on the mix."""
+    rng = random.Random(cfg.seed)
+    systems = [
+        _random_ids(rng, cfg.system_prompt_len, cfg.vocab_size) for _ in range(cfg.num_prefixes)
+    ]
+    arrivals = poisson_arrivals(cfg.num_requests, cfg.request_rate, rng)
+    out = []
+    for i, t in enumerate(arrivals):
+        shared = rng.random() < cfg.shared_prob
+        g = rng.randrange(cfg.num_prefixes)
+        head = systems[g] if shared else _random_ids(rng, cfg.system_prompt_len, cfg.vocab_size)
+        ids = head + _random_ids(rng, cfg.question_len, cfg.vocab_size)
+        out.append(WorkloadRequest(f"mix-{i}", t, ids, cfg.output_len, f"p{g}" if shared else None))
+    return out
+
+
 # --- trace replay ----------------------------------------------------------------------------
 
 
@@ -404,6 +451,7 @@ def _word_id(word: str) -> int:
 WORKLOADS: dict[str, tuple[type, Callable[[Any], list[WorkloadRequest]]]] = {
     "generated-shared-prefix": (SharedPrefixConfig, generated_shared_prefix),
     "multi-turn": (MultiTurnConfig, multi_turn_chat),
+    "shared-prefix-mix": (PrefixMixConfig, prefix_mix),
     "trace": (TraceConfig, trace_replay),
 }
 
