@@ -55,6 +55,7 @@ def _serve(args: argparse.Namespace, sock) -> int:  # noqa: ANN001
     from radixserve.playground.app import create_app
 
     host, port = sock.getsockname()[:2]
+    sock.listen(128)  # connections queue up while uvicorn starts: the URL works once printed
     print(f"radixserve playground: http://{host}:{port}/", flush=True)
     config = uvicorn.Config(create_app(args.router_url), log_level=args.log_level)
     try:

@@ -100,7 +100,8 @@ def _value(name: str, v: Any) -> Any:
 
 def _policy(name: str, v: Any) -> str:
     if v not in POLICIES:
-        raise ParamError(name, f"unknown policy {v!r}; known: {', '.join(sorted(POLICIES))}")
+        known = ", ".join(sorted(POLICIES))
+        raise ParamError(name, f"{name}: unknown policy {v!r}; known: {known}")
     return v
 
 
