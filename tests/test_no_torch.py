@@ -28,6 +28,8 @@ PURE = [
     "radixserve.bench.loadgen",
     "radixserve.bench.cli",
     "radixserve.sim.cli",
+    "radixserve.playground.app",
+    "radixserve.playground.cli",
     # the engine and server plumbing too: `radixserve serve --sim` runs without torch
     "radixserve.engine.engine",
     "radixserve.engine.scheduler_proc",

@@ -98,10 +98,13 @@ function params() {
 }
 
 // ---- running -----------------------------------------------------------------------------
+// controls that change together recompute once; the trace (which depends only on the chosen
+// policies) stays stale until a recompute has drawn it, even if a newer one aborted that one
 let timer = null;
 function schedule(traceToo) {
   clearTimeout(timer);
-  timer = setTimeout(() => recompute(traceToo), 250);
+  state.traceStale = state.traceStale || traceToo;
+  timer = setTimeout(recompute, 250);
 }
 
 function progress(text, done, total) {
@@ -112,7 +115,8 @@ function progress(text, done, total) {
   $("progress-text").textContent = text;
 }
 
-async function recompute(traceToo) {
+async function recompute() {
+  const traceToo = state.traceStale;
   if (state.aborter) state.aborter.abort();
   const aborter = (state.aborter = new AbortController());
   const gen = ++state.gen;
@@ -132,6 +136,7 @@ async function recompute(traceToo) {
       const tr = await (await api("/api/trace", p, aborter.signal)).json();
       state.last.trace = tr;
       drawTrace(tr);
+      state.traceStale = false;
       step("trace");
     }
     const curve = [];
@@ -197,10 +202,36 @@ function drawCurve(points) {
   });
 }
 
+// writes each point's fairness bound beside it; equal points share one label ("1000 ms = unbounded")
+const boundLabels = {
+  id: "boundLabels",
+  afterDatasetsDraw(c) {
+    const meta = c.getDatasetMeta(0);
+    const groups = new Map();
+    meta.data.forEach((pt, i) => {
+      const key = `${Math.round(pt.x)},${Math.round(pt.y)}`;
+      if (!groups.has(key)) groups.set(key, { pt, names: [] });
+      groups.get(key).names.push(waitLabel(c.data.datasets[0].data[i].bound));
+    });
+    const ctx = c.ctx;
+    ctx.save();
+    ctx.font = "11px system-ui, sans-serif";
+    ctx.fillStyle = "#1d2330";
+    for (const { pt, names } of groups.values()) {
+      const text = names.join(" = ");
+      const { left, right } = c.chartArea;
+      const x = Math.max(left + 2, Math.min(pt.x + 8, right - ctx.measureText(text).width - 2));
+      ctx.fillText(text, x, pt.y - 8);
+    }
+    ctx.restore();
+  },
+};
+
 function drawTradeoff(points) {
   $("sweep-policy").textContent = points.length ? points[0].policy : "";
   chart("chart-tradeoff", {
     type: "line",
+    plugins: [boundLabels],
     data: {
       datasets: [{
         label: "max_wait_ms",
@@ -214,8 +245,8 @@ function drawTradeoff(points) {
         tooltip: { callbacks: { label: (c) => `bound ${waitLabel(c.raw.bound)}: hit ${pct(c.raw.y)}, p99 wait ${sec(c.raw.x)}` } },
       },
       scales: {
-        x: { type: "linear", title: { display: true, text: "p99 wait (simulated s)" } },
-        y: { title: { display: true, text: "hit rate" }, ticks: { callback: (v) => pct(v) } },
+        x: { type: "linear", grace: "8%", title: { display: true, text: "p99 wait (simulated s)" } },
+        y: { grace: "8%", title: { display: true, text: "hit rate" }, ticks: { callback: (v) => pct(v) } },
       },
     },
   });
@@ -227,6 +258,7 @@ function drawTrace(tr) {
     `${s.question_len}-token questions, ${s.output_len} output tokens; arrivals ${s.order.join(", ")}; ` +
     `the engine has room for ${s.room} requests. Bars: waiting (grey), prefill (red: computed, green: prefix hit), decode (blue).`;
   const box = $("trace");
+  const xmax = 1000 * Math.max(...Object.values(tr.policies).flat().map((r) => r.finish_s));
   for (const [policy, rows] of Object.entries(tr.policies)) {
     const id = `chart-trace-${policy}`;
     if (!$(id)) {
@@ -235,6 +267,7 @@ function drawTrace(tr) {
       div.innerHTML = `<h3></h3><div class="chart"><canvas id="${id}"></canvas></div>`;
       box.appendChild(div);
     }
+    box.appendChild($(id).closest(".trace-policy")); // in the order of the comparison
     const hits = rows.filter((r) => r.cached_tokens > 0).length;
     const end = Math.max(...rows.map((r) => r.finish_s));
     $(id).closest(".trace-policy").querySelector("h3").textContent =
@@ -253,7 +286,7 @@ function drawTrace(tr) {
       options: {
         indexAxis: "y",
         plugins: { legend: { display: false } },
-        scales: { x: { min: 0, title: { display: true, text: "simulated ms" } }, y: { stacked: true } },
+        scales: { x: { min: 0, max: Math.ceil(xmax / 50) * 50, title: { display: true, text: "simulated ms" } }, y: { stacked: true } },
       },
     });
   }
@@ -323,7 +356,8 @@ async function main() {
   for (const t of document.querySelectorAll(".tab")) t.addEventListener("click", () => showView(t.dataset.view));
   if (s.fleet) $("tab-fleet").hidden = false;
   if (location.hash === "#fleet" && s.fleet) showView("fleet");
-  recompute(true);
+  state.traceStale = true;
+  recompute();
 }
 
 main();
