@@ -29,7 +29,7 @@ class Params:
     question_len: int = _p(16, 0, 16384, "tokens after the system prompt")
     output_len: int = _p(8, 1, 4096, "tokens generated per request")
     request_rate: float = _p(100.0, 0.01, 10000, "Poisson arrivals per second")
-    num_requests: int = _p(120, 1, 5000, "requests in the stream")
+    num_requests: int = _p(100, 1, 5000, "requests in the stream")
     kv_tokens: int = _p(1200, 16, 4_000_000, "KV pool of the engine, in tokens")
     max_running_requests: int = _p(8, 1, 1024, "most requests running at once")
     max_wait_ms: float | None = _p(100.0, 0, 3_600_000, "fairness bound (null: unbounded)")

@@ -206,7 +206,7 @@ class PrefixMixConfig:
     """A stream where each request extends one of a few system prompts with probability
     ``shared_prob`` and is cold (a prompt of its own, as long) otherwise."""
 
-    num_requests: int = _opt(120, "requests in the stream")
+    num_requests: int = _opt(100, "requests in the stream")
     shared_prob: float = _opt(0.9, "probability that a request extends a shared system prompt")
     num_prefixes: int = _opt(8, "shared system prompts, equally popular")
     system_prompt_len: int = _opt(256, "tokens of each system prompt")
