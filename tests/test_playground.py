@@ -169,3 +169,24 @@ def test_bad_router_url_is_one_line():
     )  # fmt: skip
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().count("\n") == 0 and "--router-url" in done.stderr
+
+
+def test_fleet_reads_kv_blocks_where_the_router_indexes_events():
+    """A router with KV events (issue 12) adds a per-worker kv_index_blocks gauge, labelled by
+    worker id; the fleet view shows it as what the worker holds."""
+    from radixserve.playground.fleet import _row, parse_metrics
+
+    text = "\n".join(
+        [
+            "# TYPE radixserve_router_tree_size_units gauge",
+            'radixserve_router_tree_size_units{worker="http://127.0.0.1:9001"} 210',
+            "# TYPE radixserve_router_kv_index_blocks gauge",
+            'radixserve_router_kv_index_blocks{worker="w1"} 37',
+            "radixserve_router_expected_hit_rate 0.5",
+        ]
+    )
+    router = parse_metrics(text)
+    worker = {"id": "w1", "url": "http://127.0.0.1:9001", "requests": 3, "load": 1}
+    row = _row(worker, {"hit_rate": 0.25}, router)
+    assert (row["kv_index_blocks"], row["tree_size_units"], row["hit_rate"]) == (37, 210, 0.25)
+    assert router["radixserve_router_expected_hit_rate"] == {"": 0.5}

@@ -6,8 +6,10 @@ Each view is written as a screenshot (into RADIXSERVE_SCREENSHOTS if set, else a
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import os
+import re
 import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -167,6 +169,14 @@ def test_phone_width_fits(browser, playground, shots):
     page.close()
 
 
+def router_metrics(router: RouterProc) -> str:
+    conn = http.client.HTTPConnection(router.addr, timeout=30)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    return text
+
+
 def send(addr: str, n: int) -> list[int]:
     """Statuses of ``n`` requests through the router, from a thread of its own (Playwright's
     sync API keeps an event loop running in this one)."""
@@ -203,6 +213,10 @@ def test_fleet_view_follows_the_router(browser, fleet_procs, shots):
         assert page.inner_text(f"{row} .requests") == str(expect[w["url"]])
         assert 0 < w["hit_rate"] <= 1  # each worker's own prefix cache, from its /metrics
         assert page.inner_text(f"{row} .hit") == f"{100 * w['hit_rate']:.1f}%"
+        # what it holds: the router's tree for it (no KV events on this router)
+        units = re.search(rf'tree_size_units{{worker="{w["url"]}"}} (\d+)', router_metrics(router))
+        assert units and int(units.group(1)) > 0
+        assert page.inner_text(f"{row} .holds") == f"{units.group(1)} units"
     # more traffic: the page refreshes itself, no reload
     assert send(router.addr, 12) == [200] * 12
     total = sum(router.requests_per_worker().values())
