@@ -193,8 +193,10 @@ def fleet_procs():
 
 
 def test_fleet_view_follows_the_router(browser, fleet_procs, shots):
-    workers = [launch_worker(), launch_worker()]
-    fleet_procs.extend(workers)
+    with ThreadPoolExecutor(2) as pool:  # the two start at once; each one started is stopped
+        futures = [pool.submit(launch_worker) for _ in range(2)]
+    fleet_procs.extend(f.result() for f in futures if f.exception() is None)
+    workers = [f.result() for f in futures]
     router = RouterProc([w.url for w in workers])
     fleet_procs.append(router)
     assert send(router.addr, 24) == [200] * 24
