@@ -226,6 +226,13 @@ def test_fleet_view_follows_the_router(browser, fleet_procs, shots):
         f"[...document.querySelectorAll('#fleet-table .requests')].reduce((s, e) => s + +e.textContent, 0) == {total}",
         timeout=30_000,
     )
+    # the per-second history counted every request routed since the page's first snapshot
+    latest = page.evaluate("Object.values(window.playground.fleetHistory.prev.requests)")
+    assert sum(latest) == total
+    page.wait_for_function(
+        f"Object.values(window.playground.fleetHistory.workers).flatMap(s => s.delta).reduce((a, b) => a + b, 0) == {total - sum(expect.values())}",
+        timeout=30_000,
+    )
     # the screenshot under load, where the page gets to see some (nothing is asserted on it)
     with ThreadPoolExecutor(1) as pool:
         busy = pool.submit(lambda: asyncio.run(load(router.addr, 48, 8)))

@@ -302,6 +302,7 @@ async function refreshFleet() {
     const snap = await (await api("/api/fleet")).json();
     state.last.fleet = snap;
     drawFleet(snap);
+    drawHistory(snap);
     $("fleet-error").hidden = true;
   } catch (e) {
     $("fleet-error").textContent = e.message;
@@ -334,6 +335,40 @@ function drawFleet(snap) {
         hit: { position: "right", min: 0, max: 1, grid: { drawOnChartArea: false }, ticks: { callback: (v) => pct(v) } },
       },
     },
+  });
+}
+
+// the last minute of each worker's routed requests per second, from its counter's increments
+const HISTORY = 60;
+function drawHistory(snap) {
+  const h = (state.fleetHistory ??= { t: [], prev: null, workers: {} });
+  const now = Date.now() / 1000;
+  if (h.prev) {
+    const dt = Math.max(now - h.prev.t, 1e-3);
+    h.t.push(new Date().toLocaleTimeString());
+    for (const w of snap.workers) {
+      const series = (h.workers[w.url] ??= { delta: [], rps: [] });
+      while (series.rps.length < h.t.length - 1) { series.rps.push(null); series.delta.push(0); }
+      const d = Math.max(w.requests - (h.prev.requests[w.url] ?? w.requests), 0);
+      series.delta.push(d);
+      series.rps.push(d / dt);
+    }
+    if (h.t.length > HISTORY) {
+      h.t.shift();
+      for (const s of Object.values(h.workers)) { s.rps.shift(); s.delta.shift(); }
+    }
+  }
+  h.prev = { t: now, requests: Object.fromEntries(snap.workers.map((w) => [w.url, w.requests])) };
+  chart("chart-fleet-history", {
+    type: "line",
+    data: {
+      labels: [...h.t],
+      datasets: Object.entries(h.workers).map(([url, s], i) => ({
+        label: url.replace(/^https?:\/\//, "") + " req/s", data: [...s.rps],
+        borderColor: COLORS[i % COLORS.length], backgroundColor: COLORS[i % COLORS.length], pointRadius: 0, tension: 0,
+      })),
+    },
+    options: { scales: { y: { beginAtZero: true, title: { display: true, text: "requests routed / s" } } } },
   });
 }
 
