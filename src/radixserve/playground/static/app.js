@@ -174,6 +174,7 @@ function drawCompare(results) {
   body.innerHTML = results.map((r) => `<tr data-policy="${r.policy}"><td>${r.policy}</td>
     <td class="hit">${pct(r.hit_rate)}</td><td class="wait-mean">${sec(r.wait_mean_s)}</td>
     <td class="wait-p99">${sec(r.wait_p99_s)}</td><td>${r.finished}/${r.requests}</td></tr>`).join("");
+  drawInsight(results);
   chart("chart-compare", {
     type: "bar",
     data: {
@@ -182,6 +183,17 @@ function drawCompare(results) {
     },
     options: { indexAxis: "y", plugins: { legend: { display: false } }, scales: { x: { min: 0, max: 1, ticks: { callback: (v) => pct(v) } } } },
   });
+}
+
+function drawInsight(results) {
+  const base = results.find((r) => r.policy === "fcfs") ?? results[0];
+  const best = results.reduce((a, r) => (r.hit_rate > a.hit_rate ? r : a), results[0]);
+  const saved = base.hit_rate < 1 ? (best.hit_rate - base.hit_rate) / (1 - base.hit_rate) : 0;
+  $("insight").textContent = best === base
+    ? `${base.policy} reuses the most here: ${pct(base.hit_rate)} of prompt tokens.`
+    : `${best.policy} serves ${pct(best.hit_rate)} of prompt tokens from the cache against ` +
+      `${base.policy}'s ${pct(base.hit_rate)}: ${pct(saved)} fewer prompt tokens to compute; ` +
+      `p99 wait ${sec(best.wait_p99_s)} against ${sec(base.wait_p99_s)}.`;
 }
 
 function drawCurve(points) {
