@@ -190,3 +190,13 @@ def test_fleet_reads_kv_blocks_where_the_router_indexes_events():
     row = _row(worker, {"hit_rate": 0.25}, router)
     assert (row["kv_index_blocks"], row["tree_size_units"], row["hit_rate"]) == (37, 210, 0.25)
     assert router["radixserve_router_expected_hit_rate"] == {"": 0.5}
+
+
+def test_port_in_use_is_one_line(playground):
+    port = urlparse(playground.url).port
+    done = subprocess.run(
+        [sys.executable, "-m", "radixserve", "playground", "--port", str(port)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr
