@@ -69,7 +69,7 @@ class KVEventsConfig:
     endpoint: str = _f("tcp://*:5557", "PUB address (bound if it has * or ::, else connected)")
     replay_endpoint: str | None = _f(None, "ROUTER address answering replay requests")
     buffer_steps: int = _f(10_000, "batches kept for replay")
-    hwm: int = _f(100_000, "ZeroMQ high-water mark of the PUB socket")
+    hwm: int = _f(100_000, "ZeroMQ high-water mark of the PUB socket (0: no limit)")
     max_queue_size: int = _f(100_000, "batches queued for the publisher thread before dropping")
     topic: str = _f("", "first frame of every published message")
     block_size: int = _f(16, "tokens per announced block (a multiple of the page size)")
@@ -81,9 +81,11 @@ class KVEventsConfig:
             raise ValueError(f'publisher must be "zmq" or "null", got {self.publisher!r}')
         if self.hash_algo not in ALGORITHMS:
             raise ValueError(f"hash_algo must be one of {sorted(ALGORITHMS)}")
-        for name in ("buffer_steps", "hwm", "max_queue_size", "block_size"):
+        for name in ("buffer_steps", "max_queue_size", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.hwm < 0:
+            raise ValueError(f"hwm must be >= 0 (0: no limit), got {self.hwm}")
 
     @property
     def publishing(self) -> bool:
