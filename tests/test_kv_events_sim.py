@@ -197,8 +197,10 @@ def test_flush_cache_announces_all_blocks_cleared_and_empties_the_snapshot(fleet
 
 def test_replay_resends_a_range_then_the_end_marker(fleet):
     server, sub, info, ctx = fleet
-    run(server, list(range(600, 630)))
-    sub.until(lambda: len(sub.batches) >= 3)
+    mark = len(sub.batches)
+    for i in range(3):
+        run(server, list(range(600 + 100 * i, 630 + 100 * i)))
+    sub.until(lambda: len(sub.batches) >= mark + 3)
     start = sub.batches[-3][0]
     top = sub.batches[-1][0]
     # vLLM's framing: a delimiter frame, answered [b"", seq, payload] ... [b"", -1, b""]
@@ -226,6 +228,22 @@ def recv_replay(sock: zmq.Socket) -> list[list[bytes]]:
         assert sock.poll(10_000), "the replay did not end"
         out.append(sock.recv_multipart())
     return out
+
+
+def test_the_null_publisher_tracks_blocks_and_sends_nothing():
+    cfg = {"publisher": "null", "block_size": 2}
+    server = ServerProcess(["--sim", "tiny-cpu", "--kv-events-config", json.dumps(cfg)])
+    try:
+        info = server.get("/get_server_info").json()["kv_events"]
+        assert info["publisher"] == "null" and info["endpoint"] is None
+        run(server, [1, 2, 3, 4, 5])
+        server.wait_idle()
+        snap = server.get("/kv_events/snapshot").json()
+        assert [b["block_hash"] for b in snap["blocks"]] == block_hashes(
+            [1, 2, 3, 4], 2, "xxhash64"
+        )
+    finally:
+        server.stop()
 
 
 def test_snapshot_is_refused_without_kv_events():
