@@ -184,6 +184,8 @@ def test_kv_pressure_removes_blocks_and_the_snapshot_matches_the_stream(fleet):
         assert len(b["token_ids"]) == BLOCK
     last = prompts[-1]
     assert set(block_hashes(last, BLOCK, "xxhash64")) <= held, "the newest prompt is cached"
+    metrics = server.get("/metrics").body.decode()
+    assert f"radixserve_kv_events_blocks {float(len(held))}" in metrics
 
 
 def test_flush_cache_announces_all_blocks_cleared_and_empties_the_snapshot(fleet):

@@ -277,8 +277,10 @@ class KVEventPlane:
                 "hash_seed": cfg.hash_seed, "blocks": list(self.tracker.blocks())}  # fmt: skip
 
     def stats(self) -> dict[str, Any]:
-        return {"seq": self.seq, "events": self.events_sent, "blocks": self.tracker.num_blocks,
-                "dropped_batches": self.publisher.dropped if self.publisher else 0}  # fmt: skip
+        """Counters for /metrics and /get_server_info (keys prefixed, beside the scheduler's)."""
+        return {"kv_events_seq": self.seq, "kv_events_sent": self.events_sent,
+                "kv_events_blocks": self.tracker.num_blocks,
+                "kv_events_dropped_batches": self.publisher.dropped if self.publisher else 0}  # fmt: skip
 
     def close(self) -> None:
         if self.publisher is not None:
