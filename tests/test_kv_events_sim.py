@@ -262,8 +262,10 @@ def test_snapshot_is_refused_without_kv_events():
     "config,message",
     [
         ('{"endpont": "tcp://*:1"}', "unknown key(s) endpont"),
-        ('{"block_size": "16"}', "block_size must be a int"),
+        ('{"block_size": "16"}', "block_size must be of type int"),
         ('{"publisher": "kafka"}', 'publisher must be "zmq" or "null"'),
+        ('{"hash_seed": -1}', "hash_seed must be in [0, 2**64)"),
+        ('{"hash_algo": "md5"}', "hash_algo must be one of"),
         ("[1]", "must be a JSON object"),
         ("{", "not valid JSON"),
     ],
@@ -272,7 +274,7 @@ def test_bad_configs_are_one_line_cli_errors(config, message):
     cmd = [sys.executable, "-m", "radixserve", "serve", "--sim", "tiny-cpu", "--port", "0",
            "--kv-events-config", config]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and f"--kv-events-config: {message}" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 

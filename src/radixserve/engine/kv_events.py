@@ -84,6 +84,8 @@ class KVEventsConfig:
         for name in ("buffer_steps", "max_queue_size", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.hash_seed < 2**64:
+            raise ValueError(f"hash_seed must be in [0, 2**64), got {self.hash_seed}")
         if self.hwm < 0:
             raise ValueError(f"hwm must be >= 0 (0: no limit), got {self.hwm}")
 
@@ -97,9 +99,9 @@ class KVEventsConfig:
         try:
             data = json.loads(text) if isinstance(text, str) else dict(text)
         except ValueError as e:
-            raise ValueError(f"--kv-events-config is not valid JSON: {e}") from None
+            raise ValueError(f"--kv-events-config: not valid JSON: {e}") from None
         if not isinstance(data, dict):
-            raise ValueError("--kv-events-config must be a JSON object")
+            raise ValueError("--kv-events-config: must be a JSON object")
         fields = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - set(fields))
         if unknown:
@@ -107,7 +109,10 @@ class KVEventsConfig:
                              f"known: {', '.join(fields)}")  # fmt: skip
         for key, value in data.items():
             _check_type(key, value, fields[key].default)
-        return cls(**data)
+        try:
+            return cls(**data)
+        except ValueError as e:
+            raise ValueError(f"--kv-events-config: {e}") from None
 
     def check_page_size(self, page_size: int) -> None:
         if self.block_size % page_size:
@@ -125,12 +130,24 @@ def _check_type(key: str, value: Any, default: Any) -> None:
     else:
         ok = isinstance(value, str)
     if not ok:
-        raise ValueError(f"--kv-events-config: {key} must be a {type(default).__name__}, "
+        raise ValueError(f"--kv-events-config: {key} must be of type {type(default).__name__}, "
                          f"got {value!r}")  # fmt: skip
 
 
 def _binds(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def _attach(sock: zmq.Socket, endpoint: str, bind: bool) -> str:
+    """Bind or connect; the address bound (a ``*`` port resolved), or the one connected to."""
+    try:
+        if not bind:
+            sock.connect(endpoint)
+            return endpoint
+        sock.bind(endpoint)
+    except zmq.ZMQError as e:
+        raise ValueError(f"cannot {'bind' if bind else 'connect to'} {endpoint}: {e}") from None
+    return sock.last_endpoint.decode()
 
 
 class ZmqPublisher:
@@ -154,17 +171,12 @@ class ZmqPublisher:
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(cfg.hwm)
         self._pub.linger = 0
-        if _binds(cfg.endpoint):
-            self._pub.bind(cfg.endpoint)
-        else:
-            self._pub.connect(cfg.endpoint)
-        endpoint = self._pub.last_endpoint.decode() if _binds(cfg.endpoint) else cfg.endpoint
+        endpoint = _attach(self._pub, cfg.endpoint, _binds(cfg.endpoint))
         self._replay = replay = None
         if cfg.replay_endpoint is not None:
             self._replay = self._ctx.socket(zmq.ROUTER)
             self._replay.linger = 0
-            self._replay.bind(cfg.replay_endpoint)
-            replay = self._replay.last_endpoint.decode()
+            replay = _attach(self._replay, cfg.replay_endpoint, True)
         # the engine thread's end of the queue to the publisher thread
         inbox = f"inproc://kv-events-{id(self)}"
         self._in = self._ctx.socket(zmq.PAIR)
