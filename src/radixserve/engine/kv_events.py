@@ -46,7 +46,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from radixserve.cache.block_events import BlockTracker
+from radixserve.cache.block_events import BlockTracker, KVEvent
 from radixserve.cache.hashing import ALGORITHMS
 from radixserve.cache.radix import RadixCache
 
@@ -244,6 +244,11 @@ class ZmqPublisher:
         self._replay.send_multipart([client, b"", END_SEQ, b""])
 
 
+def encode_batch(ts: float, events: list[KVEvent]) -> bytes:
+    """One message payload: msgpack of ``[ts, events, data_parallel_rank 0]``."""
+    return msgpack.packb([ts, [e.wire() for e in events], 0], use_bin_type=True)
+
+
 class KVEventPlane:
     """The scheduler process's side: a BlockTracker on the cache, and a publisher it feeds one
     batch per step (``flush``)."""
@@ -273,8 +278,7 @@ class KVEventPlane:
         self.seq += 1
         self.events_sent += len(events)
         if self.publisher is not None:
-            batch = [time.time(), [e.wire() for e in events], 0]
-            self.publisher.publish(self.seq, msgpack.packb(batch, use_bin_type=True))
+            self.publisher.publish(self.seq, encode_batch(time.time(), events))
         return len(events)
 
     def cleared(self) -> None:
