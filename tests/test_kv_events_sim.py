@@ -289,3 +289,24 @@ def test_an_address_in_use_fails_the_start_in_one_line():
         blocker.close(0)
     assert proc.returncode == 1 and "--kv-events-config" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_the_python_engine_takes_the_same_config():
+    from radixserve.engine.engine import Engine
+
+    with pytest.raises(ValueError, match="unknown key"):
+        Engine(sim="tiny-cpu", kv_events_config={"endpoit": "x"})
+    cfg = {"endpoint": "tcp://127.0.0.1:*", "block_size": BLOCK, "topic": "kv-test"}
+    with Engine(sim="tiny-cpu", kv_events_config=cfg) as engine:
+        ctx = zmq.Context()
+        try:
+            sub = Subscriber(ctx, engine.procs.info["kv_events"]["endpoint"])
+            deadline = time.monotonic() + 30
+            while not sub.poll(0.3):
+                assert time.monotonic() < deadline
+                engine.flush_cache()
+            engine.generate(input_ids=list(range(40, 49)), sampling_params=greedy())
+            want = block_hashes(list(range(40, 49)), BLOCK, "xxhash64")
+            sub.until(lambda: set(want) <= set(stored(sub.events())))
+        finally:
+            ctx.destroy(0)
