@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,7 +27,7 @@ if not Path(CHROMIUM).exists():
 sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (dev extra)")
 
 from test_playground import Playground, ndjson  # noqa: E402
-from test_router_fleet import RouterProc, launch_worker, load  # noqa: E402
+from test_router_fleet import RouterProc, WorkerProc, launch_worker, load  # noqa: E402
 
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
         "--disable-background-networking", "--disable-component-update", "--disable-sync"]  # fmt: skip
@@ -169,12 +170,23 @@ def test_phone_width_fits(browser, playground, shots):
     page.close()
 
 
-def router_metrics(router: RouterProc) -> str:
-    conn = http.client.HTTPConnection(router.addr, timeout=30)
-    conn.request("GET", "/metrics")
+def get(addr: str, path: str) -> str:
+    conn = http.client.HTTPConnection(addr.removeprefix("http://"), timeout=30)
+    conn.request("GET", path)
     text = conn.getresponse().read().decode()
     conn.close()
     return text
+
+
+def kv_events_worker() -> WorkerProc:
+    """A `serve --sim` worker that publishes its KV events (on free loopback ports)."""
+    cfg = {"endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*"}
+    worker = WorkerProc(
+        [sys.executable, "-m", "radixserve", "serve", "--sim", "tiny-cpu", "--port", "0",
+         "--log-level", "warning", "--kv-events-config", json.dumps(cfg)]
+    )  # fmt: skip
+    worker.url = worker.wait_line(r"serving \S+ on (http://\S+)").group(1)
+    return worker
 
 
 def send(addr: str, n: int) -> list[int]:
@@ -194,7 +206,7 @@ def fleet_procs():
 
 def test_fleet_view_follows_the_router(browser, fleet_procs, shots):
     with ThreadPoolExecutor(2) as pool:  # the two start at once; each one started is stopped
-        futures = [pool.submit(launch_worker) for _ in range(2)]
+        futures = [pool.submit(launch_worker), pool.submit(kv_events_worker)]
     fleet_procs.extend(f.result() for f in futures if f.exception() is None)
     workers = [f.result() for f in futures]
     router = RouterProc([w.url for w in workers])
@@ -215,10 +227,20 @@ def test_fleet_view_follows_the_router(browser, fleet_procs, shots):
         assert page.inner_text(f"{row} .requests") == str(expect[w["url"]])
         assert 0 < w["hit_rate"] <= 1  # each worker's own prefix cache, from its /metrics
         assert page.inner_text(f"{row} .hit") == f"{100 * w['hit_rate']:.1f}%"
-        # what it holds: the router's tree for it (no KV events on this router)
-        units = re.search(rf'tree_size_units{{worker="{w["url"]}"}} (\d+)', router_metrics(router))
-        assert units and int(units.group(1)) > 0
-        assert page.inner_text(f"{row} .holds") == f"{units.group(1)} units"
+    # what each holds: the blocks the KV-events worker announced, as its own /metrics counts
+    # them; for the other, the router's tree for it
+    plain, events = workers
+    blocks = re.search(r"^radixserve_kv_events_blocks (\S+)$", get(events.url, "/metrics"), re.M)
+    assert blocks and float(blocks.group(1)) > 0
+    holds = f"#fleet-table tr[data-url='{events.url}'] .holds"
+    assert page.inner_text(holds) == f"{float(blocks.group(1)):g} blocks"
+    units = re.search(
+        rf'tree_size_units{{worker="{plain.url}"}} (\d+)', get(router.addr, "/metrics")
+    )
+    assert units and int(units.group(1)) > 0
+    assert page.inner_text(f"#fleet-table tr[data-url='{plain.url}'] .holds") == (
+        f"{units.group(1)} units"
+    )
     # more traffic: the page refreshes itself, no reload
     assert send(router.addr, 12) == [200] * 12
     total = sum(router.requests_per_worker().values())

@@ -1,5 +1,6 @@
 """The fleet view's data: one snapshot of a running `radixserve route` and its workers, read from
-the router (worker list, its /metrics) and from each worker's own /metrics (hit rate, queue)."""
+the router (worker list, its /metrics) and from each worker's own /metrics (hit rate, queue, and
+with KV events on, the blocks it holds)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ WORKER_METRICS = {
     "radixserve_token_usage": "kv_usage",
     "radixserve_prompt_tokens_total": "prompt_tokens",
     "radixserve_cached_tokens_total": "cached_tokens",
+    "radixserve_kv_events_blocks": "kv_blocks",  # with --kv-events-config: blocks it holds
 }
 _SAMPLE = re.compile(r'^(\w+)(?:\{worker="([^"]*)"\})?\s+(\S+)$')
 
@@ -55,14 +57,27 @@ async def snapshot(client: httpx.AsyncClient, router_url: str) -> dict[str, Any]
 
 async def _worker_stats(client: httpx.AsyncClient, url: str) -> dict[str, float] | None:
     """The worker's own numbers, or None where it does not answer (it shows as unreachable)."""
+    base = url.rstrip("/")
     try:
-        resp = await client.get(url.rstrip("/") + "/metrics")
+        resp, info = await asyncio.gather(
+            client.get(base + "/metrics"), client.get(base + "/get_server_info")
+        )
     except httpx.HTTPError:
         return None
     if resp.status_code != 200:
         return None
     parsed = parse_metrics(resp.text)
-    return {key: parsed[name][""] for name, key in WORKER_METRICS.items() if name in parsed}
+    stats = {key: parsed[name][""] for name, key in WORKER_METRICS.items() if name in parsed}
+    if not _publishes_kv_events(info):  # the gauge is there, at 0, on every worker
+        stats.pop("kv_blocks", None)
+    return stats
+
+
+def _publishes_kv_events(info: httpx.Response) -> bool:
+    try:
+        return info.status_code == 200 and info.json().get("kv_events") is not None
+    except ValueError:
+        return False
 
 
 def _row(w: dict[str, Any], stats: dict[str, float] | None, router: dict) -> dict[str, Any]:

@@ -325,8 +325,13 @@ async function refreshFleet() {
 function drawFleet(snap) {
   $("fleet-router").textContent = snap.router;
   $("fleet-updated").textContent = "Updated " + new Date().toLocaleTimeString() +
-    (snap.kv_events ? "; holds = KV blocks indexed from the worker's KV events." : "; holds = the router's approximate tree (units).");
-  const holds = (w) => (w.kv_index_blocks != null ? `${w.kv_index_blocks} blocks` : w.tree_size_units != null ? `${w.tree_size_units} units` : "-");
+    "; holds: KV blocks from the worker's KV events where it publishes them (as the router's " +
+    "index counts them, if it has one), else the router's approximate tree for it, in units.";
+  const holds = (w) => {
+    const blocks = w.kv_index_blocks ?? w.kv_blocks;
+    if (blocks != null) return `${blocks} blocks`;
+    return w.tree_size_units != null ? `${w.tree_size_units} units` : "-";
+  };
   const opt = (v, f) => (v == null ? "-" : f(v));
   document.querySelector("#fleet-table tbody").innerHTML = snap.workers.map((w) => `<tr data-url="${w.url}">
     <td>${w.url}</td><td>${w.healthy ? "yes" : "no"}${w.reachable ? "" : " (unreachable)"}</td><td class="load">${w.load}</td>
