@@ -271,3 +271,23 @@ def test_fleet_view_follows_the_router(browser, fleet_procs, shots):
     assert "did not answer" in page.inner_text("#fleet-error")
     assert errors == []
     page.close()
+
+
+def test_settings_the_api_refuses_show_its_message(browser, playground):
+    page, errors = open_page(browser, playground.url)
+    wait_done(page)
+    done = page.evaluate("window.playground.done")
+    page.focus("#system_prompt_len")
+    page.keyboard.press("End")  # 2048-token prompts in a 1,200-token KV pool
+    wait_done(page, done)
+    message = page.inner_text("#error")
+    assert page.is_visible("#error") and message.startswith("kv_tokens=1200 cannot hold one")
+    # the last numbers the API gave stay up, for the settings before
+    assert page.locator("#compare-table tbody tr").count() == 2
+    page.focus("#kv_tokens")
+    page.keyboard.press("End")  # 20,000 tokens: it fits again, the error goes
+    page.wait_for_selector("#error", state="hidden", timeout=60_000)
+    wait_done(page, done + 1)
+    assert page.evaluate("window.playground.last.compare.params.kv_tokens") == 20000
+    assert errors == []
+    page.close()
