@@ -18,11 +18,7 @@ Stop = str | list[str] | None
 def cache_namespace(body: Any) -> str | None:
     """The prefix-cache namespace of a request: requests with different ``cache_salt`` values
     never share cached KV (vLLM's semantics); the router keys its tree the same way. LoRA
-    adapters are not served yet, so naming one is refused rather than silently ignored."""
-    if body.lora_path:
-        from radixserve.server.errors import ApiError
-
-        raise ApiError(400, "LoRA adapters are not supported by this server", param="lora_path")
+    adapters are not served yet (``lora_path`` is refused by ``check_supported``)."""
     return f"salt:{body.cache_salt}" if body.cache_salt else None
 
 
@@ -39,6 +35,56 @@ def scheduling_fields(body: Any) -> dict[str, Any]:
 
 Priority = Annotated[int, Field(ge=-(2**31), lt=2**31)]
 RoutingKey = Annotated[str | None, Field(max_length=256)]
+UNSUPPORTED = "unsupported"  # json_schema_extra key: why the server refuses the field
+
+
+def unsupported(why: str, default: Any = None, accept: tuple[Any, ...] = ()) -> Any:
+    """Declare a field of OpenAI's or SGLang's schema that this server does not honour: a
+    request that sets it to anything but ``default`` (or one of ``accept``) gets a 400 naming
+    it. Declaring it (rather than letting ``extra="ignore"`` drop it) is what keeps it from
+    being silently ignored; to honour it, give it a real type and use it."""
+    extra = {UNSUPPORTED: why, "accept": [default, *accept]}
+    return Field(default, json_schema_extra=extra)  # type: ignore[arg-type]
+
+
+def refused(model: type[BaseModel]) -> dict[str, str]:
+    """The fields of ``model`` declared with ``unsupported``: name -> why."""
+    return {
+        name: f.json_schema_extra[UNSUPPORTED]  # type: ignore[index]
+        for name, f in model.model_fields.items()
+        if isinstance(f.json_schema_extra, dict) and UNSUPPORTED in f.json_schema_extra
+    }
+
+
+def check_supported(body: BaseModel, prefix: str = "") -> None:
+    """Refuse (400 naming the field, with its dotted path) the first unsupported field that
+    ``body`` or a model nested in it sets to a value the server cannot honour."""
+    from radixserve.server.errors import ApiError
+
+    for name, f in type(body).model_fields.items():
+        value = getattr(body, name)
+        extra = f.json_schema_extra
+        if isinstance(extra, dict) and UNSUPPORTED in extra and not _accepted(value, extra):
+            raise ApiError(400, f"{prefix}{name} is not supported by this server: "
+                           f"{extra[UNSUPPORTED]}", "unsupported_parameter", prefix + name)  # fmt: skip
+        for i, item in enumerate(value if isinstance(value, list) else [value]):
+            if isinstance(item, BaseModel):
+                at = f"{prefix}{name}.{i}." if isinstance(value, list) else f"{prefix}{name}."
+                check_supported(item, at)
+
+
+def _accepted(value: Any, extra: dict[str, Any]) -> bool:
+    # 0 == False in Python; a JSON false is not the number 0 here
+    return any(value == a and isinstance(value, bool) == isinstance(a, bool)
+               for a in extra["accept"])  # fmt: skip
+
+
+NOT_YET = "not implemented yet"
+NO_GRAMMAR = "structured output (a grammar engine) is not implemented yet"
+NO_LOGPROBS = "log probabilities are not returned yet"
+NO_TOOLS = "tool calling is not implemented for this server's chat templates"
+NO_MEDIA = "this server serves text-only models"
+NO_LORA = "LoRA adapters are not supported by this server"
 
 
 class _Body(BaseModel):
@@ -61,6 +107,19 @@ class _Sampling(_Body):
     stop: Stop = None
     stop_token_ids: TokenIds | None = None
     ignore_eos: bool = False
+    # SGLang's sampling params (also accepted by its and vLLM's OpenAI routes)
+    min_p: Any = unsupported(NOT_YET, 0.0)
+    presence_penalty: Any = unsupported(NOT_YET, 0.0)
+    frequency_penalty: Any = unsupported(NOT_YET, 0.0)
+    repetition_penalty: Any = unsupported(NOT_YET, 1.0)
+    logit_bias: Any = unsupported(NOT_YET, None, ({},))
+    skip_special_tokens: Any = unsupported("special tokens are always left out of the text", True)
+    spaces_between_special_tokens: Any = unsupported("special tokens are never shown", True)
+    no_stop_trim: Any = unsupported("a matched stop string is always trimmed", False)
+    json_schema: Any = unsupported(NO_GRAMMAR)
+    regex: Any = unsupported(NO_GRAMMAR)
+    ebnf: Any = unsupported(NO_GRAMMAR)
+    structural_tag: Any = unsupported(NO_GRAMMAR)
 
     def _seed(self) -> int | None:
         return self.seed
@@ -88,9 +147,26 @@ class _OpenAISampling(_Sampling):
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = Field(None, max_length=256)
-    lora_path: str | None = None
+    lora_path: Any = unsupported(NO_LORA)
     priority: Priority = 0
     routing_key: RoutingKey = None
+    # informational: identify the end user or the cache bucket; nothing to apply
+    user: str | None = None
+    # vLLM's extensions
+    min_tokens: Any = unsupported(NOT_YET, 0)
+    include_stop_str_in_output: Any = unsupported("a matched stop string is always trimmed", False)
+    best_of: Any = unsupported(NOT_YET, None, (1,))
+    response_format: Any = unsupported(NO_GRAMMAR, None, ({"type": "text"},))
+    guided_json: Any = unsupported(NO_GRAMMAR)
+    guided_regex: Any = unsupported(NO_GRAMMAR)
+    guided_choice: Any = unsupported(NO_GRAMMAR)
+    guided_grammar: Any = unsupported(NO_GRAMMAR)
+    structured_outputs: Any = unsupported(NO_GRAMMAR)
+    use_beam_search: Any = unsupported("beam search is not implemented", False)
+    length_penalty: Any = unsupported("beam search is not implemented", 1.0)
+    prompt_logprobs: Any = unsupported(NO_LOGPROBS)
+    truncate_prompt_tokens: Any = unsupported("prompts are never truncated; a long one is a 400")
+    return_hidden_states: Any = unsupported("hidden states are not returned", False)
 
     @property
     def include_usage(self) -> bool:
@@ -99,8 +175,10 @@ class _OpenAISampling(_Sampling):
 
 class CompletionRequest(_OpenAISampling):
     prompt: str | list[str] | TokenIds | list[TokenIds]
-    echo: bool = False
-    logprobs: int | None = None
+    echo: Any = unsupported(NO_LOGPROBS, False)
+    logprobs: Any = unsupported(NO_LOGPROBS)
+    suffix: Any = unsupported("insertion (text after the completion) is not implemented")
+    add_special_tokens: Any = unsupported("the tokenizer's special tokens are always added", True)
 
 
 class ContentPart(_Body):
@@ -112,12 +190,41 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: Any = unsupported(NO_TOOLS, None, ([],))
+    tool_call_id: Any = unsupported(NO_TOOLS)
+    function_call: Any = unsupported(NO_TOOLS)
+    refusal: Any = unsupported("a refusal in the history has no place in the chat template")
+    audio: Any = unsupported(NO_MEDIA)
 
 
 class ChatCompletionRequest(_OpenAISampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
+    logprobs: Any = unsupported(NO_LOGPROBS, False)
+    top_logprobs: Any = unsupported(NO_LOGPROBS, None, (0,))
+    tools: Any = unsupported(NO_TOOLS, None, ([],))
+    tool_choice: Any = unsupported(NO_TOOLS, None, ("none",))
+    parallel_tool_calls: Any = unsupported(NO_TOOLS)
+    functions: Any = unsupported(NO_TOOLS, None, ([],))
+    function_call: Any = unsupported(NO_TOOLS, None, ("none",))
+    audio: Any = unsupported(NO_MEDIA)
+    modalities: Any = unsupported(NO_MEDIA, None, (["text"],))
+    prediction: Any = unsupported("predicted outputs (speculative decoding) are not implemented")
+    reasoning_effort: Any = unsupported("the served models have no reasoning budget")
+    verbosity: Any = unsupported("the served models have no verbosity setting")
+    web_search_options: Any = unsupported("this server cannot search the web")
+    store: Any = unsupported("completions are never stored", False)
+    service_tier: Any = unsupported("one tier only", None, ("auto", "default"))
+    # informational: tags and identifiers; nothing to apply
+    metadata: dict[str, str] | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    # vLLM's chat extensions
+    echo: Any = unsupported("echoing the last message is not implemented", False)
+    chat_template: Any = unsupported("the model's own chat template is always used")
+    chat_template_kwargs: Any = unsupported("the chat template takes no extra variables")
+    documents: Any = unsupported("the chat template takes no documents")
 
 
 class GenerateSampling(_Sampling):
@@ -125,6 +232,10 @@ class GenerateSampling(_Sampling):
 
     max_new_tokens: int | None = Field(None, ge=1)
     sampling_seed: int | None = None
+    min_new_tokens: Any = unsupported(NOT_YET, 0)
+    n: Any = unsupported("send a batch of prompts instead", 1)
+    stop_regex: Any = unsupported("stop patterns are plain strings", None, ([],))
+    custom_params: Any = unsupported("custom logit processors are not supported")
 
     def _seed(self) -> int | None:
         return self.seed if self.seed is not None else self.sampling_seed
@@ -139,9 +250,25 @@ class GenerateRequest(_Body):
     stream: bool = False
     rid: str | None = None
     cache_salt: str | None = Field(None, max_length=256)
-    lora_path: str | None = None
+    lora_path: Any = unsupported(NO_LORA)
     priority: Priority = 0
     routing_key: RoutingKey = None
+    return_logprob: Any = unsupported(NO_LOGPROBS, False)
+    logprob_start_len: Any = unsupported(NO_LOGPROBS, -1)
+    top_logprobs_num: Any = unsupported(NO_LOGPROBS, 0)
+    token_ids_logprob: Any = unsupported(NO_LOGPROBS)
+    return_text_in_logprobs: Any = unsupported(NO_LOGPROBS, False)
+    input_embeds: Any = unsupported("prompts are text or token ids")
+    image_data: Any = unsupported(NO_MEDIA)
+    audio_data: Any = unsupported(NO_MEDIA)
+    video_data: Any = unsupported(NO_MEDIA)
+    custom_logit_processor: Any = unsupported("custom logit processors are not supported")
+    return_hidden_states: Any = unsupported("hidden states are not returned", False)
+    session_params: Any = unsupported("sessions are not implemented")
+    bootstrap_host: Any = unsupported("prefill/decode disaggregation is not implemented")
+    bootstrap_port: Any = unsupported("prefill/decode disaggregation is not implemented")
+    bootstrap_room: Any = unsupported("prefill/decode disaggregation is not implemented")
+    data_parallel_rank: Any = unsupported("one engine per server; route with radixserve route")
 
 
 BODIES: tuple[type[BaseModel], ...] = (

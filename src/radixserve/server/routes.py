@@ -61,9 +61,6 @@ def inference_routes(state: ServerState) -> APIRouter:
 
 # -- OpenAI ----------------------------------------------------------------------------------
 def _completion_inputs(body: CompletionRequest) -> list[GenerateInput]:
-    if body.echo or body.logprobs is not None:
-        raise ApiError(400, "echo and logprobs are not supported", "unsupported_parameter",
-                       "echo" if body.echo else "logprobs")  # fmt: skip
     return _prompts(body.prompt, "prompt")[0]
 
 
@@ -75,8 +72,6 @@ def _prompts(value: Any, param: str) -> tuple[list[GenerateInput], bool]:
 
 
 def _chat_input(body: ChatCompletionRequest) -> GenerateInput:
-    if body.logprobs:
-        raise ApiError(400, "logprobs are not supported", "unsupported_parameter", "logprobs")
     return GenerateInput(messages=[_message(m, i) for i, m in enumerate(body.messages)])
 
 

@@ -20,6 +20,7 @@ from radixserve.engine.tokenizer_manager import GenerateInput, RequestError, Tok
 from radixserve.server.config import ServerConfig
 from radixserve.server.errors import ApiError
 from radixserve.server.metrics import ServerMetrics
+from radixserve.server.protocol import check_supported
 from radixserve.server.streams import Generation
 
 M = TypeVar("M", bound=BaseModel)
@@ -132,7 +133,9 @@ async def read_json(request: Request, model: type[M], limit: int) -> M:
         data = json.loads(b"".join(chunks), parse_constant=_no_constant)
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
         raise ApiError(400, f"the body is not valid JSON: {e}", "invalid_json") from e
-    return model.model_validate(data)
+    body = model.model_validate(data)
+    check_supported(body)
+    return body
 
 
 def _too_large(limit: int) -> ApiError:
