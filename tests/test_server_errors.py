@@ -51,9 +51,9 @@ BAD = [
         None,
     ),  # fmt: skip
     (
-        "max-new-tokens-0",
+        "max-new-tokens-neg",
         "/generate",
-        {"text": "a", "sampling_params": {"max_new_tokens": 0}},
+        {"text": "a", "sampling_params": {"max_new_tokens": -1}},
         400,
         None,
     ),  # fmt: skip

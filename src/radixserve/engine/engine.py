@@ -29,6 +29,8 @@ def sampling_from(arg: SamplingArg) -> SamplingParams:
         value = kw.get(name)
         if value is not None:
             kw[name] = (value,) if isinstance(value, (str, int)) else tuple(value)
+    if kw.get("top_k") == 0:  # vLLM's "off", as -1 is SGLang's
+        kw["top_k"] = -1
     return SamplingParams(**kw)
 
 
@@ -137,8 +139,15 @@ def _inputs(prompt: Any, input_ids: Any, sampling: Any) -> tuple[list[GenerateIn
     if len(samplings) != len(inputs):
         raise ValueError("sampling_params must be one dict or one per prompt")
     for inp, s in zip(inputs, samplings):
-        inp.sampling = sampling_from(s)
+        inp.sampling, inp.prefill_only = _prefill_aware(s)
     return inputs, not batch
+
+
+def _prefill_aware(arg: SamplingArg) -> tuple[SamplingParams, bool]:
+    """``max_new_tokens: 0`` (prefill and cache the prompt only) runs as one hidden token."""
+    if isinstance(arg, Mapping) and arg.get("max_new_tokens") == 0:
+        return sampling_from({**arg, "max_new_tokens": 1}), True
+    return sampling_from(arg), False
 
 
 def _result(text: str, ids: list[int], out: TextOut) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from radixserve.engine.launch import EngineProcesses
 from radixserve.engine.tokenizer_manager import GenerateInput, RequestError
 from radixserve.sched.request import SamplingParams
 from radixserve.server.config import ServerConfig
+from radixserve.server.control import control_routes
 from radixserve.server.errors import ApiError, install_handlers
 from radixserve.server.metrics import CONTENT_TYPE, stats_dict
 from radixserve.server.protocol import add_body_schemas
@@ -46,6 +47,7 @@ def create_app(config: ServerConfig, engine: EngineProcesses) -> FastAPI:
     app.state.server = state
     install_handlers(app)
     app.include_router(inference_routes(state))
+    app.include_router(control_routes(state))
     app.include_router(_open_routes(state))
     app.include_router(_admin_routes(state))
     _use_body_schemas(app)

@@ -221,6 +221,8 @@ class ChatCompletionRequest(_OpenAISampling):
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     # vLLM's chat extensions
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     echo: Any = unsupported("echoing the last message is not implemented", False)
     chat_template: Any = unsupported("the model's own chat template is always used")
     chat_template_kwargs: Any = unsupported("the chat template takes no extra variables")
@@ -230,7 +232,7 @@ class ChatCompletionRequest(_OpenAISampling):
 class GenerateSampling(_Sampling):
     """SGLang's ``sampling_params``; ``sampling_seed`` is SGLang's name for ``seed``."""
 
-    max_new_tokens: int | None = Field(None, ge=1)
+    max_new_tokens: int | None = Field(None, ge=0)  # 0: prefill (and cache) the prompt only
     sampling_seed: int | None = None
     min_new_tokens: Any = unsupported(NOT_YET, 0)
     n: Any = unsupported("send a batch of prompts instead", 1)
@@ -248,7 +250,7 @@ class GenerateRequest(_Body):
     input_ids: TokenIds | list[TokenIds] | None = None
     sampling_params: GenerateSampling | list[GenerateSampling] | None = None
     stream: bool = False
-    rid: str | None = None
+    rid: str | list[str] | None = None
     cache_salt: str | None = Field(None, max_length=256)
     lora_path: Any = unsupported(NO_LORA)
     priority: Priority = 0
@@ -271,10 +273,40 @@ class GenerateRequest(_Body):
     data_parallel_rank: Any = unsupported("one engine per server; route with radixserve route")
 
 
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize: a ``prompt``, or chat ``messages`` rendered by the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+    chat_template: Any = unsupported("the model's own chat template is always used")
+    chat_template_kwargs: Any = unsupported("the chat template takes no extra variables")
+    tools: Any = unsupported(NO_TOOLS, None, ([],))
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: TokenIds
+
+
+class AbortRequest(_Body):
+    """SGLang's /abort_request: one request by its rid, or every request."""
+
+    rid: str = ""
+    abort_all: bool = False
+
+
 BODIES: tuple[type[BaseModel], ...] = (
     CompletionRequest,
     ChatCompletionRequest,
     GenerateRequest,
+    TokenizeRequest,
+    DetokenizeRequest,
+    AbortRequest,
 )
 
 

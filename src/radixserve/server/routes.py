@@ -13,7 +13,12 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.requests import Request
 
 from radixserve.engine.messages import TextOut
-from radixserve.engine.tokenizer_manager import GenerateInput, RequestError, prompt_inputs
+from radixserve.engine.tokenizer_manager import (
+    SERVER_RID_PREFIX,
+    GenerateInput,
+    RequestError,
+    prompt_inputs,
+)
 from radixserve.server.errors import ApiError
 from radixserve.server.protocol import (
     ChatCompletionRequest,
@@ -72,10 +77,12 @@ def _prompts(value: Any, param: str) -> tuple[list[GenerateInput], bool]:
 
 
 def _chat_input(body: ChatCompletionRequest) -> GenerateInput:
-    return GenerateInput(messages=[_message(m, i) for i, m in enumerate(body.messages)])
+    messages = [chat_message(m, i) for i, m in enumerate(body.messages)]
+    return GenerateInput(messages=messages, add_generation_prompt=body.add_generation_prompt,
+                         continue_final_message=body.continue_final_message)  # fmt: skip
 
 
-def _message(m: ChatMessage, i: int) -> dict[str, Any]:
+def chat_message(m: ChatMessage, i: int) -> dict[str, Any]:
     content = m.content
     if isinstance(content, list):
         if any(p.type != "text" for p in content):
@@ -156,15 +163,14 @@ async def _generate(
     prompts, batch, param = _generate_prompts(body)
     state.check_batch(len(prompts))  # before tokenizing any of them
     samplings = _samplings(body.sampling_params, len(prompts))
+    rids = _rids(body.rid, len(prompts), batch)
     params = (param, "sampling_params.max_new_tokens")
     inputs = [
         state.prepare(p, s.sampling(s.max_new_tokens), SGLANG_DEFAULT_MAX_NEW_TOKENS, params)
         for p, s in zip(prompts, samplings)
     ]
     fields = scheduling_fields(body)
-    inputs = [dataclasses.replace(p, **fields) for p in inputs]
-    if body.rid is not None and not batch:
-        inputs[0].rid = body.rid
+    inputs = [dataclasses.replace(p, **fields, rid=r) for p, r in zip(inputs, rids)]
     gen = state.start(inputs, start)
     if body.stream:
 
@@ -195,6 +201,20 @@ def _samplings(
         raise ApiError(400, f"sampling_params has {len(given)} entries for {count} prompts",
                        param="sampling_params")  # fmt: skip
     return given
+
+
+def _rids(given: str | list[str] | None, count: int, batch: bool) -> list[str | None]:
+    """SGLang's rid: one per prompt (a list for a batch); never in the server's own form."""
+    rids = given if isinstance(given, list) else [given] * count
+    if given is not None and (isinstance(given, list) != batch or len(rids) != count):
+        raise ApiError(400, "rid must be one string for one prompt, or a list of one per "
+                       "prompt for a batch", param="rid")  # fmt: skip
+    if any(r is not None and r.startswith(SERVER_RID_PREFIX) for r in rids):
+        raise ApiError(400, f"a rid may not start with {SERVER_RID_PREFIX!r}: the server's own "
+                       "request ids do", param="rid")  # fmt: skip
+    if given is not None and len(set(rids)) != count:
+        raise ApiError(400, "the rids of a batch must differ", param="rid")
+    return rids
 
 
 # -- shared ----------------------------------------------------------------------------------

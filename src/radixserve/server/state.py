@@ -84,11 +84,12 @@ class ServerState:
                            params[0] if room < 1 else params[1])  # fmt: skip
         if asked is None:
             asked = room if default_max is None else min(default_max, room)
-        try:
-            sp = sampling_from({**sampling, "max_new_tokens": asked})
+        try:  # max_new_tokens 0 (prefill only) samples one token that is never shown
+            sp = sampling_from({**sampling, "max_new_tokens": max(asked, 1)})
         except (TypeError, ValueError) as e:
             raise ApiError(400, str(e)) from e
-        return dataclasses.replace(inp, text=None, messages=None, input_ids=ids, sampling=sp)
+        return dataclasses.replace(inp, text=None, messages=None, input_ids=ids, sampling=sp,
+                                   prefill_only=asked == 0)  # fmt: skip
 
     def _tokenize(self, inp: GenerateInput, param: str) -> list[int]:
         try:
