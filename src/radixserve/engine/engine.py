@@ -117,6 +117,14 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         return self._call(self.tm.control("stats"))
 
+    def update_scheduler_settings(self, **changes: Any) -> dict[str, Any]:
+        """Change schedule_policy, max_wait_ms or the priority settings while requests run;
+        returns the scheduler's settings. ValueError (nothing changed) if one is refused."""
+        out = self._call(self.tm.control("update_scheduler_settings", args=changes))
+        if "error" in out:
+            raise ValueError(out["error"])
+        return out["scheduler"]
+
     def shutdown(self) -> None:
         if self._loop.is_running():
             self._call(self.tm.close())

@@ -44,10 +44,12 @@ class CloseStream:
 
 @dataclass(slots=True)
 class ControlReq:
-    """A request to the scheduler process that gets one ControlOut back (flush_cache, stats)."""
+    """A request to the scheduler process that gets one ControlOut back (flush_cache, stats,
+    update_scheduler_settings with its ``args``)."""
 
     req_id: str
     op: str
+    args: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)

@@ -6,6 +6,7 @@ An idle process blocks in a poll, so an idle (simulated or real) worker uses no 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 import traceback
@@ -74,7 +75,19 @@ class Worker:
             return self.scheduler.flush_cache()
         if msg.op == "stats":
             return self.scheduler.stats()
+        if msg.op == "scheduler_config":  # the live settings, changed or not
+            return dataclasses.asdict(self.scheduler.config)
+        if msg.op == "update_scheduler_settings":
+            return self._update_settings(msg.args or {})
         return {"error": f"unknown control op {msg.op!r}"}
+
+    def _update_settings(self, changes: dict[str, Any]) -> dict[str, Any]:
+        """Between two steps, so no batch is in flight; a refused change changes nothing."""
+        try:
+            config = self.scheduler.update_settings(**changes)
+        except (TypeError, ValueError) as e:
+            return {"error": str(e)}
+        return {"scheduler": dataclasses.asdict(config)}
 
     def drain(self, block_ms: int | None) -> None:
         """Handle every message waiting; block up to ``block_ms`` for the first one."""

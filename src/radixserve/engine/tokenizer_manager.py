@@ -222,14 +222,17 @@ class TokenizerManager:
             pending.queue.put_nowait(_aborted(r, pending.last))
         return rids
 
-    async def control(self, op: str, timeout: float = 30.0) -> Any:
-        """Ask the scheduler process something (``flush_cache``, ``stats``)."""
+    async def control(
+        self, op: str, timeout: float = 30.0, args: dict[str, Any] | None = None
+    ) -> Any:
+        """Ask the scheduler process something (``flush_cache``, ``stats``,
+        ``update_scheduler_settings``)."""
         if self.dead:
             raise EngineDeadError(self.dead)
         req_id = f"ctl-{next(self._ids)}"
         fut = self._controls[req_id] = asyncio.get_running_loop().create_future()
         try:
-            await self._push.send_pyobj(ControlReq(req_id, op))
+            await self._push.send_pyobj(ControlReq(req_id, op, args))
             return await asyncio.wait_for(fut, timeout)
         finally:
             self._controls.pop(req_id, None)

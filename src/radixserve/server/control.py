@@ -1,8 +1,10 @@
 """The routes that work with the engine without generating text: vLLM's /tokenize and
-/detokenize, SGLang's /abort_request."""
+/detokenize, SGLang's /abort_request, and the admin routes that change the scheduler's
+settings while it runs (SGLang's /set_internal_state, and /update_scheduler_settings)."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Depends
@@ -13,6 +15,8 @@ from radixserve.server.errors import ApiError
 from radixserve.server.protocol import (
     AbortRequest,
     DetokenizeRequest,
+    InternalState,
+    SchedulerSettings,
     TokenizeRequest,
     openapi_body,
 )
@@ -53,6 +57,37 @@ def control_routes(state: ServerState) -> APIRouter:
         return {"success": True, "aborted": aborted}
 
     return router
+
+
+def admin_routes(state: ServerState) -> APIRouter:
+    """Guarded by --admin-api-key when the server has one (else by --api-key)."""
+    router = APIRouter(dependencies=[Depends(state.authorize_admin)])
+    limit = state.config.max_payload_size
+
+    @router.post("/update_scheduler_settings", openapi_extra=openapi_body(SchedulerSettings))
+    async def update_scheduler_settings(request: Request) -> dict[str, Any]:
+        body = await read_json(request, SchedulerSettings, limit)
+        return {"updated": True, "scheduler": await _update(state, body.changes())}
+
+    @router.post("/set_internal_state", openapi_extra=openapi_body(InternalState))
+    async def set_internal_state(request: Request) -> dict[str, Any]:
+        body = await read_json(request, InternalState, limit)
+        return {"updated": True, "scheduler": await _update(state, body.server_args.changes())}
+
+    return router
+
+
+async def _update(state: ServerState, changes: dict[str, Any]) -> dict[str, Any]:
+    """Apply ``changes`` in the scheduler process, between two of its steps."""
+    if not changes:
+        raise ApiError(400, "name at least one setting to change", param="schedule_policy")
+    try:
+        out = await state.tm.control("update_scheduler_settings", 5.0, changes)
+    except (RequestError, asyncio.TimeoutError) as e:
+        raise ApiError(503, f"the engine did not answer: {e!r}", "engine_unavailable") from e
+    if "error" in out:
+        raise ApiError(400, out["error"], param=next(iter(changes)))
+    return out["scheduler"]
 
 
 def _tokenize(state: ServerState, body: TokenizeRequest) -> list[int]:

@@ -15,6 +15,12 @@ TopK = Annotated[int, Field(ge=-1, lt=2**31)]
 Stop = str | list[str] | None
 
 
+def _refusal(message: str) -> Exception:
+    from radixserve.server.errors import ApiError
+
+    return ApiError(400, message, param="server_args")
+
+
 def cache_namespace(body: Any) -> str | None:
     """The prefix-cache namespace of a request: requests with different ``cache_salt`` values
     never share cached KV (vLLM's semantics); the router keys its tree the same way. LoRA
@@ -293,6 +299,30 @@ class DetokenizeRequest(_Body):
     tokens: TokenIds
 
 
+class SchedulerSettings(BaseModel):
+    """What /update_scheduler_settings may change on a running engine; only the fields a
+    request names change. Any other field is refused (400 naming it), never ignored."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+    schedule_policy: str | None = None
+    max_wait_ms: float | None = Field(None, ge=0)  # None: unbounded (pure cache order)
+    enable_priority_scheduling: bool | None = None
+    priority_preemption_threshold: int | None = Field(None, ge=0)
+
+    def changes(self) -> dict[str, Any]:
+        out = {name: getattr(self, name) for name in self.model_fields_set}
+        for name in ("schedule_policy", "enable_priority_scheduling"):
+            if name in out and out[name] is None:
+                raise _refusal(f"{name} cannot be null")
+        return out
+
+
+class InternalState(_Body):
+    """SGLang's /set_internal_state body: the settings under ``server_args``."""
+
+    server_args: SchedulerSettings
+
+
 class AbortRequest(_Body):
     """SGLang's /abort_request: one request by its rid, or every request."""
 
@@ -307,6 +337,7 @@ BODIES: tuple[type[BaseModel], ...] = (
     TokenizeRequest,
     DetokenizeRequest,
     AbortRequest,
+    InternalState,
 )
 
 

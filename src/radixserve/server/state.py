@@ -51,7 +51,13 @@ class ServerState:
 
     def authorize(self, request: Request) -> None:
         """FastAPI dependency: the bearer key, when the server has one."""
-        key = self.config.api_key
+        self._check_key(request, self.config.api_key)
+
+    def authorize_admin(self, request: Request) -> None:
+        """FastAPI dependency of the admin endpoints: the admin key, else the API key."""
+        self._check_key(request, self.config.admin_api_key or self.config.api_key)
+
+    def _check_key(self, request: Request, key: str | None) -> None:
         if key is None:
             return
         got = request.headers.get("authorization", "").encode()
