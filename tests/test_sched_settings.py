@@ -91,3 +91,26 @@ def test_bad_settings_change_nothing() -> None:
         sched.update_settings(max_wait_ms=-1.0)
     assert (sched.config, sched.policy) == before
     sched.check_integrity()
+
+
+def _cold_wait(**config: object) -> float:
+    """How long one cold request waits while warm ones (sharing a cached prefix) keep arriving
+    faster than the one running slot serves them."""
+    rng, clock = random.Random(9), Clock()
+    cfg = SchedulerConfig(max_running_requests=1, **config)  # type: ignore[arg-type]
+    sched = Scheduler(cfg, CacheConfig(max_total_tokens=8192), eos_token_ids=(), clock=clock)
+    shared = tokens(rng, 64)
+    warm = [(0.02 * i, make_req(f"w{i}", shared + tokens(rng, 4), 6, ignore_eos=True))
+            for i in range(150)]  # fmt: skip
+    cold = make_req("cold", tokens(rng, 68), 6, ignore_eos=True)
+    drive(sched, KVRunner(8192), clock=clock, arrivals=[*warm, (0.05, cold)])
+    assert cold.first_scheduled_time is not None and cold.arrival_time is not None
+    return cold.first_scheduled_time - cold.arrival_time
+
+
+def test_bounded_waiting_is_the_default_for_cache_aware_policies() -> None:
+    assert SchedulerConfig().max_wait_ms == 1000.0
+    assert SchedulerConfig(max_wait_ms=float("inf")).max_wait_ms is None  # --max-wait-ms inf
+    unbounded = _cold_wait(max_wait_ms=None)
+    for policy in ("lpm", "dfs-weight"):
+        assert _cold_wait(schedule_policy=policy) < 1.2 < unbounded
