@@ -145,6 +145,8 @@ class TokenizerManager:
         """The chat prompt as text. ``continue_final_message`` (vLLM's semantics): the last
         message is left open, so that the model continues it rather than answering it."""
         assert inp.messages is not None
+        if any(m.get("name") for m in inp.messages):
+            self._check_names_used(inp.messages)
         if not inp.continue_final_message:
             return self.tokenizer.apply_chat_template(
                 inp.messages, add_generation_prompt=inp.add_generation_prompt
@@ -159,6 +161,18 @@ class TokenizerManager:
             raise RequestError("continue_final_message needs a last message with content that "
                                "the chat template keeps")  # fmt: skip
         return text[: end + len(last)]
+
+    def _check_names_used(self, messages: list[dict[str, Any]]) -> None:
+        """A message's name reaches the model only through the chat template: refuse it where
+        the template leaves it out, rather than drop it silently."""
+        bare = [{k: v for k, v in m.items() if k != "name"} for m in messages]
+
+        def render(ms: list[dict[str, Any]]) -> str:
+            return self.tokenizer.apply_chat_template(ms, add_generation_prompt=False)
+
+        if render(bare) == render(messages):
+            raise RequestError("this model's chat template does not use a message's name",
+                               err_type="unsupported_parameter")  # fmt: skip
 
     def check_length(self, ids: Sequence[int]) -> None:
         if len(ids) >= self.context_length:

@@ -87,6 +87,7 @@ async def _update(state: ServerState, changes: dict[str, Any]) -> dict[str, Any]
         raise ApiError(503, f"the engine did not answer: {e!r}", "engine_unavailable") from e
     if "error" in out:
         raise ApiError(400, out["error"], param=next(iter(changes)))
+    state.note_settings(out["scheduler"])
     return out["scheduler"]
 
 

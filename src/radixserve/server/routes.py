@@ -98,6 +98,7 @@ async def _openai(
     prompts: list[GenerateInput], start: float,
 ) -> Response:  # fmt: skip
     state.check_model(body.model)
+    state.check_priority(body.priority)
     state.check_batch(len(prompts) * body.n)
     chat = isinstance(body, ChatCompletionRequest)
     asked = (body.max_completion_tokens or body.max_tokens) if chat else body.max_tokens
@@ -162,6 +163,7 @@ async def _generate(
 ) -> Response:
     prompts, batch, param = _generate_prompts(body)
     state.check_batch(len(prompts))  # before tokenizing any of them
+    state.check_priority(body.priority)
     samplings = _samplings(body.sampling_params, len(prompts))
     rids = _rids(body.rid, len(prompts), batch)
     params = (param, "sampling_params.max_new_tokens")

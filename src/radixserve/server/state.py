@@ -36,6 +36,7 @@ class ServerState:
     window: int  # most tokens one request may hold: the context, or the KV pool if smaller
     started: float
     live: set[Generation] = field(default_factory=set)  # requests now generating
+    priority_scheduling: bool = False  # as the scheduler now runs (settings change at run time)
 
     @classmethod
     def create(cls, config: ServerConfig, engine: EngineProcesses) -> ServerState:
@@ -43,7 +44,14 @@ class ServerState:
         tm = TokenizerManager(engine.tokenizer, ep.sched, ep.tm, engine.why_dead)
         name = config.served_model_name or str(info.get("model") or engine.tokenizer.name)
         window = min(tm.context_length, int(info.get("max_total_tokens") or tm.context_length))
-        return cls(config, engine, tm, ServerMetrics(), name, window, time.time())
+        state = cls(config, engine, tm, ServerMetrics(), name, window, time.time())
+        state.note_settings(dataclasses.asdict(engine.config.sched))
+        return state
+
+    def note_settings(self, sched: dict[str, Any]) -> None:
+        """Remember what the scheduler's live settings mean for requests."""
+        on = sched["enable_priority_scheduling"] or sched["schedule_policy"] == "priority"
+        self.priority_scheduling = on
 
     def dead(self) -> str | None:
         """Why the engine cannot serve, or None while it can."""
@@ -70,6 +78,14 @@ class ServerState:
             return
         raise ApiError(404, f"the model {name!r} does not exist; this server serves "
                        f"{self.model_name!r}", "model_not_found", "model")  # fmt: skip
+
+    def check_priority(self, priority: int) -> None:
+        """A priority only orders requests under priority scheduling: else it is refused."""
+        if priority and not self.priority_scheduling:
+            raise ApiError(400, "priority is not used by this server's scheduler (start it with "
+                           "--enable-priority-scheduling or --schedule-policy priority, or turn "
+                           "it on with /update_scheduler_settings)", "unsupported_parameter",
+                           "priority")  # fmt: skip
 
     def check_batch(self, count: int) -> None:
         if count > self.config.max_batch_size:
