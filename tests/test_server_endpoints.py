@@ -7,6 +7,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from server_harness import assert_error_body
 
 PROMPT = "the quick brown fox jumps over the lazy dog and"
@@ -147,3 +149,21 @@ def test_add_generation_prompt_and_continue_final_message(tiny_server):
     assert reply.status == 200 and reply.json()["usage"]["prompt_tokens"] == len(cont)
     both = tiny_server.post("/v1/chat/completions", {**body, "add_generation_prompt": True})
     assert "continue_final_message" in assert_error_body(both, 400)["message"]
+
+
+def test_the_openai_client_sees_refusals_and_the_extensions(tiny_server):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="unused", max_retries=0)
+    kw = {"model": tiny_server.name, "messages": CHAT, "max_tokens": 3}
+    for field, value in (("reasoning_effort", "high"), ("store", True), ("service_tier", "flex"),
+                         ("web_search_options", {})):  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(**kw, **{field: value})
+        assert err.value.param == field and err.value.code == "unsupported_parameter"
+    partial = [*CHAT, {"role": "assistant", "content": "The oak is"}]
+    out = client.chat.completions.create(**{**kw, "messages": partial}, temperature=0, user="u1",
+                                         extra_body={"continue_final_message": True, "top_k": 0,
+                                                     "add_generation_prompt": False})  # fmt: skip
+    cont = _chat_ids(tiny_server, partial, continue_final_message=True,
+                     add_generation_prompt=False)  # fmt: skip
+    assert out.usage.prompt_tokens == len(cont) and out.choices[0].finish_reason == "length"
