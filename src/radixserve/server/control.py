@@ -33,8 +33,7 @@ def control_routes(state: ServerState) -> APIRouter:
         body = await read_json(request, TokenizeRequest, limit)
         state.check_model(body.model)
         ids = _tokenize(state, body)
-        info = state.tm.tokenizer
-        strs = [info.tokenizer.id_to_token(i) for i in ids] if body.return_token_strs else None
+        strs = _token_strs(state.tm.tokenizer, ids) if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": state.tm.context_length, "tokens": ids,
                 "token_strs": strs}  # fmt: skip
 
@@ -89,6 +88,14 @@ async def _update(state: ServerState, changes: dict[str, Any]) -> dict[str, Any]
         raise ApiError(400, out["error"], param=next(iter(changes)))
     state.note_settings(out["scheduler"])
     return out["scheduler"]
+
+
+def _token_strs(tokenizer: Any, ids: list[int]) -> list[str]:
+    """Each token's own string (a Hugging Face tokenizer's pieces, "Ġthe"), else its text."""
+    inner = getattr(tokenizer, "tokenizer", None)
+    if inner is not None and hasattr(inner, "id_to_token"):
+        return [inner.id_to_token(i) for i in ids]
+    return [tokenizer.decode([i], skip_special_tokens=False) for i in ids]
 
 
 def _tokenize(state: ServerState, body: TokenizeRequest) -> list[int]:
