@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from field_checks_sampling import make_checks
 from radixserve.server import protocol
 from server_harness import assert_error_body
 
@@ -319,6 +320,7 @@ HONOURED: dict[str, Check] = {
     "add_generation_prompt": check_chat_flags,
     "continue_final_message": check_chat_flags,
 }
+HONOURED |= make_checks(send, sampled, _limit)  # sampling, logprobs, structured output
 # accepted and changing nothing the model computes, by definition (see check_accepted)
 INFORMATIONAL = {"user": "u-1", "metadata": {"k": "v"}, "safety_identifier": "s-1",
                  "prompt_cache_key": "k-1", "prompt_cache_retention": "in_memory",

@@ -31,6 +31,12 @@ def sampling_from(arg: SamplingArg) -> SamplingParams:
             kw[name] = (value,) if isinstance(value, (str, int)) else tuple(value)
     if kw.get("top_k") == 0:  # vLLM's "off", as -1 is SGLang's
         kw["top_k"] = -1
+    if isinstance(kw.get("logit_bias"), Mapping):  # {token id: bias}
+        kw["logit_bias"] = tuple((int(t), float(b)) for t, b in kw["logit_bias"].items())
+    for kind in ("json_schema", "regex"):  # SGLang's names for the one grammar
+        spec = kw.pop(kind, None)
+        if spec is not None:
+            kw["grammar"] = (kind, spec)
     return SamplingParams(**kw)
 
 

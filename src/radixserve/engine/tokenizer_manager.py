@@ -36,9 +36,13 @@ SERVER_RID_PREFIX = "rs-"
 class RequestError(Exception):
     """A request the engine refused or could not finish; ``code`` is the HTTP status."""
 
-    def __init__(self, message: str, code: int = 400, err_type: str = "invalid_request_error"):
+    def __init__(
+        self, message: str, code: int = 400, err_type: str = "invalid_request_error",
+        param: str | None = None,
+    ) -> None:  # fmt: skip
         super().__init__(message)
         self.message, self.code, self.err_type = message, code, err_type
+        self.param = param
 
 
 class EngineDeadError(RequestError):
@@ -192,7 +196,10 @@ class TokenizerManager:
         self.check_length(ids)
         rid = self._rid(inp.rid)
         pending = self._pending[rid] = _Pending()
-        req = GenerateReq(rid, ids, inp.sampling, inp.priority, inp.routing_key, inp.namespace)
+        # prompt logprobs come from computing the prompt: such a request shares no cached prefix
+        # (its own namespace), so every prompt token it asks about is computed for it
+        space = f"prompt-logprobs:{rid}" if inp.sampling.prompt_logprobs else inp.namespace
+        req = GenerateReq(rid, ids, inp.sampling, inp.priority, inp.routing_key, space)
         finished = False
         try:
             await self._push.send_pyobj(req)
@@ -201,7 +208,7 @@ class TokenizerManager:
                 if isinstance(msg, ErrorOut):
                     if msg.code == 503:
                         raise EngineDeadError(msg.message)
-                    raise RequestError(msg.message, msg.code)
+                    raise RequestError(msg.message, msg.code, param=msg.param)
                 finished = msg.finished
                 pending.last = msg
                 if not inp.prefill_only:

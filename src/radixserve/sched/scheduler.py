@@ -49,8 +49,9 @@ class SchedulerStats:
 def _entry(req: Req, tokens: list[int], start: int, slots: list[int], prefill: bool) -> BatchEntry:
     sample = start + len(tokens) == req.fill_len or not prefill
     return BatchEntry(
-        req.rid, tokens, start, slots, sample, req.sampling, prefill, req.num_generated
-    )
+        req.rid, tokens, start, slots, sample, req.sampling, prefill, req.num_generated,
+        req.input_ids, req.output_ids,
+    )  # fmt: skip
 
 
 class Scheduler:
@@ -185,6 +186,8 @@ class Scheduler:
 
     def _stop_reason(self, req: Req, token: int) -> FinishReason | None:
         sp = req.sampling
+        if len(req.output_ids) < sp.min_new_tokens:  # a runner that cannot mask them
+            return None
         if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids):
             return FinishReason.STOP
         # add_request made prompt + max_new_tokens fit the context, so this bound is enough
@@ -318,6 +321,8 @@ class Scheduler:
                     req.sampling,
                     False,
                     len(req.output_ids),
+                    req.input_ids,
+                    req.output_ids,
                 )
             )
         self.running.decay()

@@ -3,10 +3,13 @@ string where a number belongs is a 400, not a guess), and their OpenAPI schema."
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import models_json_schema
+
+from radixserve.server.errors import ApiError
 
 # Bounded so that no value can overflow an int64 tensor in the model process.
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
@@ -93,6 +96,38 @@ NO_MEDIA = "this server serves text-only models"
 NO_LORA = "LoRA adapters are not supported by this server"
 
 
+Bias = Annotated[float, Field(ge=-100, le=100)]
+MAX_TOP_LOGPROBS = 20  # as vLLM's default --max-logprobs
+
+
+def logit_bias_pairs(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias`` (token ids as JSON keys) as (token id, bias) pairs; the server
+    checks the ids against the vocabulary."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        if not key.isascii() or not key.isdigit():
+            raise ApiError(400, f"logit_bias keys must be token ids, got {key!r}",
+                           param="logit_bias")  # fmt: skip
+        pairs.append((int(key), float(value)))
+    return tuple(pairs)
+
+
+def grammar_of(
+    json_schema: str | None = None, regex: str | None = None, any_json: bool = False
+) -> tuple[str, str] | None:
+    """The one grammar a request constrains its output with; a 400 if it names two."""
+    given = [g for g in (("json_schema", json_schema), ("regex", regex)) if g[1] is not None]
+    given += [("json", "")] if any_json else []
+    if len(given) > 1:
+        raise ApiError(400, "give at most one of json_schema and regex", param=given[1][0])
+    if given and given[0][0] == "json_schema":
+        try:
+            json.loads(given[0][1])
+        except ValueError as e:
+            raise ApiError(400, f"json_schema is not valid JSON: {e}", param="json_schema") from e
+    return given[0] if given else None
+
+
 class _Body(BaseModel):
     # Unknown fields are ignored (OpenAI clients send many we do not use); declared ones are
     # checked without coercion, and NaN or infinite numbers are refused.
@@ -114,16 +149,16 @@ class _Sampling(_Body):
     stop_token_ids: TokenIds | None = None
     ignore_eos: bool = False
     # SGLang's sampling params (also accepted by its and vLLM's OpenAI routes)
-    min_p: Any = unsupported(NOT_YET, 0.0)
-    presence_penalty: Any = unsupported(NOT_YET, 0.0)
-    frequency_penalty: Any = unsupported(NOT_YET, 0.0)
-    repetition_penalty: Any = unsupported(NOT_YET, 1.0)
-    logit_bias: Any = unsupported(NOT_YET, None, ({},))
-    skip_special_tokens: Any = unsupported("special tokens are always left out of the text", True)
+    min_p: float = Field(0.0, ge=0, le=1)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0)
+    logit_bias: dict[str, Bias] | None = None  # token id (as a JSON key) -> bias
+    skip_special_tokens: bool = True
     spaces_between_special_tokens: Any = unsupported("special tokens are never shown", True)
-    no_stop_trim: Any = unsupported("a matched stop string is always trimmed", False)
-    json_schema: Any = unsupported(NO_GRAMMAR)
-    regex: Any = unsupported(NO_GRAMMAR)
+    no_stop_trim: bool = False
+    json_schema: str | None = None
+    regex: str | None = None
     ebnf: Any = unsupported(NO_GRAMMAR)
     structural_tag: Any = unsupported(NO_GRAMMAR)
 
@@ -141,7 +176,32 @@ class _Sampling(_Body):
             "stop": self.stop or (),
             "stop_token_ids": self.stop_token_ids or (),
             "ignore_eos": self.ignore_eos,
+            "min_p": self.min_p,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "logit_bias": logit_bias_pairs(self.logit_bias),
+            "skip_special_tokens": self.skip_special_tokens,
+            "no_stop_trim": self.no_stop_trim,
+            "grammar": self._grammar(),
         }
+
+    def _grammar(self) -> tuple[str, str] | None:
+        return grammar_of(json_schema=self.json_schema, regex=self.regex)
+
+
+class JsonSchemaFormat(_Body):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # the output always follows the schema, strict or not
+
+
+class ResponseFormat(_Body):
+    """OpenAI's ``response_format``: free text, any JSON object, or JSON that a schema allows."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _OpenAISampling(_Sampling):
@@ -159,10 +219,10 @@ class _OpenAISampling(_Sampling):
     # informational: identify the end user or the cache bucket; nothing to apply
     user: str | None = None
     # vLLM's extensions
-    min_tokens: Any = unsupported(NOT_YET, 0)
-    include_stop_str_in_output: Any = unsupported("a matched stop string is always trimmed", False)
+    min_tokens: int = Field(0, ge=0)
+    include_stop_str_in_output: bool = False
     best_of: Any = unsupported(NOT_YET, None, (1,))
-    response_format: Any = unsupported(NO_GRAMMAR, None, ({"type": "text"},))
+    response_format: ResponseFormat | None = None
     guided_json: Any = unsupported(NO_GRAMMAR)
     guided_regex: Any = unsupported(NO_GRAMMAR)
     guided_choice: Any = unsupported(NO_GRAMMAR)
@@ -178,13 +238,41 @@ class _OpenAISampling(_Sampling):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def sampling(self, max_new_tokens: int | None) -> dict[str, Any]:
+        """SGLang's sampling keywords, with vLLM's and OpenAI's names mapped onto them."""
+        out = super().sampling(max_new_tokens)
+        out["min_new_tokens"] = self.min_tokens
+        out["no_stop_trim"] = self.include_stop_str_in_output or self.no_stop_trim
+        return out
+
+    def _grammar(self) -> tuple[str, str] | None:
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return super()._grammar()
+        if self.json_schema is not None or self.regex is not None:
+            raise ApiError(400, "give response_format or json_schema/regex, not both",
+                           param="response_format")  # fmt: skip
+        if fmt.type == "json_object":
+            return grammar_of(any_json=True)
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise ApiError(400, "response_format json_schema needs json_schema.schema",
+                           param="response_format.json_schema")  # fmt: skip
+        return ("json_schema", json.dumps(fmt.json_schema.schema_))
+
 
 class CompletionRequest(_OpenAISampling):
     prompt: str | list[str] | TokenIds | list[TokenIds]
-    echo: Any = unsupported(NO_LOGPROBS, False)
-    logprobs: Any = unsupported(NO_LOGPROBS)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: Any = unsupported("insertion (text after the completion) is not implemented")
     add_special_tokens: Any = unsupported("the tokenizer's special tokens are always added", True)
+
+    def sampling(self, max_new_tokens: int | None) -> dict[str, Any]:
+        out = super().sampling(max_new_tokens)
+        if self.logprobs is not None:  # with echo, the prompt's too (from its second token)
+            out |= {"return_logprob": True, "top_logprobs_num": self.logprobs,
+                    "logprob_start_len": 0 if self.echo else -1}  # fmt: skip
+        return out
 
 
 class ContentPart(_Body):
@@ -206,8 +294,8 @@ class ChatMessage(_Body):
 class ChatCompletionRequest(_OpenAISampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: Any = unsupported(NO_LOGPROBS, False)
-    top_logprobs: Any = unsupported(NO_LOGPROBS, None, (0,))
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: Any = unsupported(NO_TOOLS, None, ([],))
     tool_choice: Any = unsupported(NO_TOOLS, None, ("none",))
     parallel_tool_calls: Any = unsupported(NO_TOOLS)
@@ -234,19 +322,30 @@ class ChatCompletionRequest(_OpenAISampling):
     chat_template_kwargs: Any = unsupported("the chat template takes no extra variables")
     documents: Any = unsupported("the chat template takes no documents")
 
+    def sampling(self, max_new_tokens: int | None) -> dict[str, Any]:
+        out = super().sampling(max_new_tokens)
+        if self.top_logprobs and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        if self.logprobs:
+            out |= {"return_logprob": True, "top_logprobs_num": self.top_logprobs or 0}
+        return out
+
 
 class GenerateSampling(_Sampling):
     """SGLang's ``sampling_params``; ``sampling_seed`` is SGLang's name for ``seed``."""
 
     max_new_tokens: int | None = Field(None, ge=0)  # 0: prefill (and cache) the prompt only
     sampling_seed: int | None = None
-    min_new_tokens: Any = unsupported(NOT_YET, 0)
+    min_new_tokens: int = Field(0, ge=0)
     n: Any = unsupported("send a batch of prompts instead", 1)
     stop_regex: Any = unsupported("stop patterns are plain strings", None, ([],))
     custom_params: Any = unsupported("custom logit processors are not supported")
 
     def _seed(self) -> int | None:
         return self.seed if self.seed is not None else self.sampling_seed
+
+    def sampling(self, max_new_tokens: int | None) -> dict[str, Any]:
+        return super().sampling(max_new_tokens) | {"min_new_tokens": self.min_new_tokens}
 
 
 class GenerateRequest(_Body):
@@ -261,11 +360,11 @@ class GenerateRequest(_Body):
     lora_path: Any = unsupported(NO_LORA)
     priority: Priority = 0
     routing_key: RoutingKey = None
-    return_logprob: Any = unsupported(NO_LOGPROBS, False)
-    logprob_start_len: Any = unsupported(NO_LOGPROBS, -1)
-    top_logprobs_num: Any = unsupported(NO_LOGPROBS, 0)
+    return_logprob: bool | list[bool] = False
+    logprob_start_len: int = Field(-1, ge=-1)
+    top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
     token_ids_logprob: Any = unsupported(NO_LOGPROBS)
-    return_text_in_logprobs: Any = unsupported(NO_LOGPROBS, False)
+    return_text_in_logprobs: bool = False
     input_embeds: Any = unsupported("prompts are text or token ids")
     image_data: Any = unsupported(NO_MEDIA)
     audio_data: Any = unsupported(NO_MEDIA)
@@ -277,6 +376,20 @@ class GenerateRequest(_Body):
     bootstrap_port: Any = unsupported("prefill/decode disaggregation is not implemented")
     bootstrap_room: Any = unsupported("prefill/decode disaggregation is not implemented")
     data_parallel_rank: Any = unsupported("one engine per server; route with radixserve route")
+
+    def logprob_args(self, i: int, count: int) -> dict[str, Any]:
+        """SamplingParams keywords for prompt ``i`` of ``count``: ``return_logprob`` may be one
+        flag or one per prompt."""
+        asked = self.return_logprob
+        if isinstance(asked, list):
+            if len(asked) != count:
+                raise ApiError(400, f"return_logprob has {len(asked)} entries for {count} "
+                               "prompts", param="return_logprob")  # fmt: skip
+            asked = asked[i]
+        if not asked:
+            return {}
+        return {"return_logprob": True, "top_logprobs_num": self.top_logprobs_num,
+                "logprob_start_len": self.logprob_start_len}  # fmt: skip
 
 
 class TokenizeRequest(_Body):

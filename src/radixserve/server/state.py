@@ -7,7 +7,7 @@ import dataclasses
 import hmac
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -17,6 +17,7 @@ from starlette.requests import Request
 from radixserve.engine.engine import sampling_from
 from radixserve.engine.launch import EngineProcesses
 from radixserve.engine.tokenizer_manager import GenerateInput, RequestError, TokenizerManager
+from radixserve.sched.request import SamplingParams
 from radixserve.server.config import ServerConfig
 from radixserve.server.errors import ApiError
 from radixserve.server.metrics import ServerMetrics
@@ -24,6 +25,14 @@ from radixserve.server.protocol import check_supported
 from radixserve.server.streams import Generation
 
 M = TypeVar("M", bound=BaseModel)
+# SamplingParams fields that only a real model's logits can honour, with their neutral values
+LOGIT_FIELDS = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+                "min_p": 0.0, "logit_bias": (), "grammar": None, "return_logprob": False}  # fmt: skip
+
+
+def needs_logits(sp: SamplingParams) -> str | None:
+    """The first field of ``sp`` that a runner without logits cannot honour, if any."""
+    return next((k for k, v in LOGIT_FIELDS.items() if getattr(sp, k) != v), None)
 
 
 @dataclass
@@ -94,7 +103,7 @@ class ServerState:
 
     def prepare(
         self, inp: GenerateInput, sampling: dict[str, Any], default_max: int | None,
-        params: tuple[str, str],
+        params: tuple[str, str], names: Mapping[str, str] | None = None,
     ) -> GenerateInput:  # fmt: skip
         """Tokenize ``inp`` and fix its sampling; ``default_max`` applies when the client set no
         limit (None: up to the context). ``params`` names the prompt and the limit fields."""
@@ -110,8 +119,31 @@ class ServerState:
             sp = sampling_from({**sampling, "max_new_tokens": max(asked, 1)})
         except (TypeError, ValueError) as e:
             raise ApiError(400, str(e)) from e
+        self._check_sampling(sp, names or {})
         return dataclasses.replace(inp, text=None, messages=None, input_ids=ids, sampling=sp,
                                    prefill_only=asked == 0)  # fmt: skip
+
+    def _check_sampling(self, sp: SamplingParams, names: Mapping[str, str]) -> None:
+        """Token ids in ``logit_bias`` must be in the vocabulary; a simulated engine has no
+        logits, so it refuses every field that needs them (named as the client named it)."""
+        vocab = getattr(self.tm.tokenizer, "vocab_size", None)
+        if vocab and any(t >= vocab for t, _ in sp.logit_bias):
+            raise ApiError(400, f"logit_bias keys must be token ids in [0, {vocab})",
+                           param="logit_bias")  # fmt: skip
+        if self.engine.config.sim is None:
+            return
+        field = needs_logits(sp)
+        if field is not None:
+            name = names.get(field, field)
+            raise ApiError(400, f"{name} needs a model's logits; a --sim engine has none",
+                           "unsupported_parameter", name)  # fmt: skip
+
+    def token_text(self, token: int) -> str:
+        """One token's text, special tokens included (for logprobs)."""
+        return self.tm.tokenizer.decode([token], skip_special_tokens=False)
+
+    def visible_text(self, token: int) -> str:
+        return self.tm.tokenizer.decode([token], skip_special_tokens=True)
 
     def _tokenize(self, inp: GenerateInput, param: str) -> list[int]:
         try:
