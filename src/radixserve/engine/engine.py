@@ -93,8 +93,9 @@ class Engine:
         input_ids: Sequence[int] | None = None,
     ) -> AsyncIterator[dict[str, Any]]:  # fmt: skip
         """Stream one request from any event loop: yields ``{"text": delta, ...}`` chunks."""
+        sampling, prefill_only = _prefill_aware(sampling_params)
         inp = GenerateInput(text=prompt, input_ids=list(input_ids) if input_ids else None,
-                            sampling=sampling_from(sampling_params))  # fmt: skip
+                            sampling=sampling, prefill_only=prefill_only)  # fmt: skip
         queue: asyncio.Queue = asyncio.Queue()
         caller = asyncio.get_running_loop()
 
