@@ -4,6 +4,8 @@ min_tokens, n with distinct seeds, stop strings kept in the output, skip_special
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from server_harness import ServerProcess, assert_error_body
@@ -111,3 +113,24 @@ def test_sim_server_refuses_what_needs_logits(sim_server, path, extra, param):
     # what it can honour, it does: min_tokens on the simulated runner
     ok = sim_server.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 3, "min_tokens": 2})
     assert ok.status == 200
+
+
+def test_response_format_json_schema_through_the_openai_client(tiny_server):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="unused", max_retries=0)
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},
+              "score": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["answer", "score"], "additionalProperties": False}  # fmt: skip
+    fmt = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": schema}}
+    for seed in range(3):
+        out = client.chat.completions.create(
+            model=tiny_server.name, messages=[{"role": "user", "content": "yes or no?"}],
+            max_tokens=60, temperature=1.0, seed=seed, response_format=fmt,
+        )  # fmt: skip
+        value = json.loads(out.choices[0].message.content)
+        assert value["answer"] in ("yes", "no") and 0 <= value["score"] <= 9
+        assert set(value) == {"answer", "score"} and out.choices[0].finish_reason == "stop"
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}
+    body = {"messages": [{"role": "user", "content": "hi"}], "response_format": bad}
+    err = assert_error_body(tiny_server.post("/v1/chat/completions", body), 400)
+    assert "json_schema" in err["message"]
