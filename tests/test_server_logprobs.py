@@ -149,3 +149,25 @@ def again_ids(server, ids: list[int]) -> list[int]:
     body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 3, "temperature": 0,
             "ignore_eos": True}}  # fmt: skip
     return server.post("/generate", body).json()["output_ids"]
+
+
+def test_prompt_scoring_with_max_new_tokens_0(tiny_server, reference, info):
+    """SGLang's way to score a prompt: prefill only, input logprobs, no output."""
+    body = {"text": PROMPT, "return_logprob": True, "logprob_start_len": 0,
+            "sampling_params": {"max_new_tokens": 0}}  # fmt: skip
+    meta = tiny_server.post("/generate", body).json()["meta_info"]
+    ids = info.encode(PROMPT)
+    assert meta["output_token_logprobs"] == [] and meta["completion_tokens"] == 0
+    check_tokens(reference(ids), ids, 0, [t[0] for t in meta["input_token_logprobs"]])
+
+
+def test_streamed_completion_echo_and_logprobs_add_up_to_the_whole(client, tiny_server):
+    kw = {"model": tiny_server.name, "prompt": PROMPT, "max_tokens": 6, "temperature": 0,
+          "echo": True, "logprobs": 1, "extra_body": {"ignore_eos": True}}  # fmt: skip
+    whole = client.completions.create(**kw).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kw)]
+    assert "".join(c.text for c in chunks) == whole.text and whole.text.startswith(PROMPT)
+    streamed = [v for c in chunks if c.logprobs for v in c.logprobs.token_logprobs]
+    assert streamed == whole.logprobs.token_logprobs
+    offsets = [v for c in chunks if c.logprobs for v in c.logprobs.text_offset]
+    assert offsets == whole.logprobs.text_offset

@@ -291,7 +291,8 @@ class TokenizerManager:
 
 def _prefill_only(out: TextOut) -> TextOut:
     return dataclasses.replace(out, text="", token_ids=[], completion_tokens=0,
-                               finish_reason="length", matched_stop=None)  # fmt: skip
+                               finish_reason="length", matched_stop=None,
+                               logprobs=None)  # fmt: skip
 
 
 def _aborted(rid: str, last: TextOut | None) -> TextOut:

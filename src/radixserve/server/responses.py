@@ -58,6 +58,7 @@ class Choice:
     prompt_logprob_start: int = 0
     prompt_ids: list[int] = field(default_factory=list)  # set where an echo or logprobs need it
     echo: str = ""  # the prompt text, for a completion with echo
+    text_offset: int = 0  # completions logprobs, streamed: where the next token's text starts
 
     def add(self, out: TextOut) -> None:
         self.parts.append(out.text)
@@ -147,6 +148,9 @@ class Head:
             all_ids, all_lps = p_ids + all_ids, p_lps + all_lps
         visible = self.visible_text
         return completion_logprobs(all_lps, self.token_text, all_ids, offset, visible)
+
+    def visible(self, token: int) -> str:
+        return (self.visible_text or self.token_text or str)(token)
 
     def chunk(
         self, index: int, delta: dict[str, Any] | str, finish: str | None,

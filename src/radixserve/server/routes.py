@@ -165,9 +165,10 @@ def _text_render(head: Head, include_usage: bool) -> Render:
     def render(c: Choice, out: TextOut) -> Iterable[bytes]:
         first = len(c.parts) == 1  # the echoed prompt goes out with the first delta
         text = c.echo + out.text if first else out.text
-        if text or out.finished:
-            offset = len(c.echo) + len(c.text) - len(out.text) if not first else 0
-            lps = head.logprobs(c, out.logprobs or [], out.token_ids, first, offset)
+        lps = head.logprobs(c, out.logprobs or [], out.token_ids, first, c.text_offset)
+        if lps and lps["tokens"]:  # where the next chunk's first token starts
+            c.text_offset = lps["text_offset"][-1] + len(head.visible(out.token_ids[-1]))
+        if text or out.finished or (lps and lps["tokens"]):  # a token whose text waits
             chunk = head.chunk(c.index, text, c.finish_reason, lps)
             yield sse(_with_usage(chunk, include_usage))
 
