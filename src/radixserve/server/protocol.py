@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import models_json_schema
 
 from radixserve.server.errors import ApiError
+from radixserve.server.sampling_args import grammar_of, logit_bias_pairs
 
 # Bounded so that no value can overflow an int64 tensor in the model process.
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
@@ -98,34 +99,6 @@ NO_LORA = "LoRA adapters are not supported by this server"
 
 Bias = Annotated[float, Field(ge=-100, le=100)]
 MAX_TOP_LOGPROBS = 20  # as vLLM's default --max-logprobs
-
-
-def logit_bias_pairs(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
-    """OpenAI's ``logit_bias`` (token ids as JSON keys) as (token id, bias) pairs; the server
-    checks the ids against the vocabulary."""
-    pairs = []
-    for key, value in (bias or {}).items():
-        if not key.isascii() or not key.isdigit():
-            raise ApiError(400, f"logit_bias keys must be token ids, got {key!r}",
-                           param="logit_bias")  # fmt: skip
-        pairs.append((int(key), float(value)))
-    return tuple(pairs)
-
-
-def grammar_of(
-    json_schema: str | None = None, regex: str | None = None, any_json: bool = False
-) -> tuple[str, str] | None:
-    """The one grammar a request constrains its output with; a 400 if it names two."""
-    given = [g for g in (("json_schema", json_schema), ("regex", regex)) if g[1] is not None]
-    given += [("json", "")] if any_json else []
-    if len(given) > 1:
-        raise ApiError(400, "give at most one of json_schema and regex", param=given[1][0])
-    if given and given[0][0] == "json_schema":
-        try:
-            json.loads(given[0][1])
-        except ValueError as e:
-            raise ApiError(400, f"json_schema is not valid JSON: {e}", param="json_schema") from e
-    return given[0] if given else None
 
 
 class _Body(BaseModel):
