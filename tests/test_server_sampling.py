@@ -134,3 +134,16 @@ def test_response_format_json_schema_through_the_openai_client(tiny_server):
     body = {"messages": [{"role": "user", "content": "hi"}], "response_format": bad}
     err = assert_error_body(tiny_server.post("/v1/chat/completions", body), 400)
     assert "json_schema" in err["message"]
+
+
+def test_a_stop_token_leaves_no_text_unless_kept(tiny_server):
+    whole = generate(tiny_server, max_new_tokens=12, temperature=0, ignore_eos=True)
+    ids = whole["output_ids"]
+    stop = next(t for t in ids[2:] if tiny_server.post("/detokenize", {"tokens": [t]}).json()
+                ["prompt"].strip())  # fmt: skip
+    at = ids.index(stop)
+    kw = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True, "stop_token_ids": [stop]}
+    cut, kept = generate(tiny_server, **kw), generate(tiny_server, **kw, no_stop_trim=True)
+    assert cut["output_ids"] == kept["output_ids"] == ids[: at + 1]
+    assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert kept["text"].startswith(cut["text"]) and len(kept["text"]) > len(cut["text"])

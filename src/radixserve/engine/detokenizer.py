@@ -67,7 +67,9 @@ class IncrementalDetokenizer:
         st = self.streams.get(out.rid)
         if st is None or st.stopped:
             return None
-        st.ids.extend(out.token_ids)
+        # a matched stop token id leaves no text, unless asked for (vLLM's and SGLang's rule)
+        trim = isinstance(out.matched_stop, int) and not st.no_stop_trim
+        st.ids.extend(out.token_ids[:-1] if trim else out.token_ids)
         self._decode_new(st, final=out.finished)
         finished, reason, matched = out.finished, out.finish_reason, out.matched_stop
         stop_at = self._find_stop(st) if out.completion_tokens >= st.min_new_tokens else None
