@@ -15,6 +15,7 @@ from typing import Any
 from radixserve.engine.launch import EngineConfig, EngineProcesses, launch
 from radixserve.engine.messages import TextOut
 from radixserve.engine.tokenizer_manager import GenerateInput, TokenizerManager, prompt_inputs
+from radixserve.sched.batch import TokenLogprob
 from radixserve.sched.request import SamplingParams
 
 SamplingArg = Mapping[str, Any] | SamplingParams | None
@@ -81,12 +82,21 @@ class Engine:
 
     async def _collect(self, inp: GenerateInput) -> dict[str, Any]:
         text, ids, last = [], [], None
+        lps: list[TokenLogprob] = []
+        prompt: tuple[int, list[TokenLogprob]] = (0, [])
         async for out in self.tm.generate(inp):
             text.append(out.text)
             ids.extend(out.token_ids)
+            lps.extend(out.logprobs or [])
+            if out.prompt_logprobs:
+                prompt = (out.prompt_logprob_start, out.prompt_logprobs)
             last = out
         assert last is not None
-        return _result("".join(text), ids, last)
+        result = _result("".join(text), ids, last)
+        if inp.sampling.return_logprob:
+            first = inp.input_ids[0] if inp.input_ids else None
+            result["meta_info"] |= _logprob_meta(inp.sampling, lps[: len(ids)], prompt, first)
+        return result
 
     async def async_generate(
         self, prompt: str | None = None, sampling_params: SamplingArg = None,
@@ -163,6 +173,31 @@ def _prefill_aware(arg: SamplingArg) -> tuple[SamplingParams, bool]:
     if isinstance(arg, Mapping) and arg.get("max_new_tokens") == 0:
         return sampling_from({**arg, "max_new_tokens": 1}), True
     return sampling_from(arg), False
+
+
+def _logprob_meta(
+    sp: SamplingParams,
+    out: list[TokenLogprob],
+    prompt: tuple[int, list[TokenLogprob]],
+    first_id: int | None,
+) -> dict[str, Any]:
+    """SGLang's logprob fields of ``meta_info``: ``[logprob, token_id, None]`` triples of the
+    prompt (from ``logprob_start_len``; position 0, ``first_id``, has no logprob) and of the
+    output."""
+
+    def triples(lps: list[TokenLogprob]) -> tuple[list[list[Any]], list[Any]]:
+        return ([[lp, t, None] for t, lp, _ in lps],
+                [[[v, i, None] for i, v in top] for _, _, top in lps])  # fmt: skip
+
+    start, got = prompt
+    skip = max(sp.logprob_start_len - start, 0)
+    first = [[None, first_id, None]] if sp.logprob_start_len == 0 else []
+    in_tokens, in_top = triples(got[skip:])
+    out_tokens, out_top = triples(out)
+    meta = {"input_token_logprobs": first + in_tokens, "output_token_logprobs": out_tokens}
+    if sp.top_logprobs_num:
+        meta |= {"input_top_logprobs": [None] * len(first) + in_top, "output_top_logprobs": out_top}
+    return meta
 
 
 def _result(text: str, ids: list[int], out: TextOut) -> dict[str, Any]:

@@ -1,0 +1,41 @@
+"""The Python API honours the sampling, logprob and grammar parameters as /generate does (SGLang's
+names): a JSON schema that parses, logprobs in meta_info, a logit_bias dict, min_new_tokens."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("xgrammar")
+
+from radixserve import Engine  # noqa: E402
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+          "additionalProperties": False}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    with Engine(model=str(tiny_model_dir), max_total_tokens=2048, context_length=128) as e:
+        yield e
+
+
+def test_engine_generate_with_grammar_logprobs_bias_and_min_tokens(engine):
+    out = engine.generate("the quick brown fox", {
+        "max_new_tokens": 30, "temperature": 1.0, "seed": 4, "json_schema": json.dumps(SCHEMA),
+        "return_logprob": True, "top_logprobs_num": 2, "logprob_start_len": 0})  # fmt: skip
+    assert isinstance(json.loads(out["text"])["ok"], bool)
+    meta = out["meta_info"]
+    assert [t[1] for t in meta["output_token_logprobs"]] == out["output_ids"]
+    assert all(t[0] <= 0 for t in meta["output_token_logprobs"])
+    assert len(meta["input_token_logprobs"]) == meta["prompt_tokens"]
+    assert meta["input_token_logprobs"][0][0] is None
+    assert all(len(top) == 2 for top in meta["output_top_logprobs"])
+    forced = engine.generate("the quick brown fox", {"max_new_tokens": 3, "logit_bias": {77: 100}})
+    assert forced["output_ids"] == [77, 77, 77]
+    held = engine.generate("the quick brown fox", {"max_new_tokens": 9, "temperature": 0,
+                                                   "logit_bias": {1: 100, 3: 100},
+                                                   "min_new_tokens": 4})  # fmt: skip
+    assert held["meta_info"]["completion_tokens"] == 5
