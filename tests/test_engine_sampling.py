@@ -39,3 +39,18 @@ def test_engine_generate_with_grammar_logprobs_bias_and_min_tokens(engine):
                                                    "logit_bias": {1: 100, 3: 100},
                                                    "min_new_tokens": 4})  # fmt: skip
     assert held["meta_info"]["completion_tokens"] == 5
+
+
+def test_engine_async_generate_streams_logprobs(engine):
+    import asyncio
+
+    sp = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True, "return_logprob": True}
+
+    async def chunks() -> list[dict]:
+        return [c async for c in engine.async_generate("the quick brown fox", sp)]
+
+    streamed = asyncio.run(chunks())
+    whole = engine.generate("the quick brown fox", sp)["meta_info"]["output_token_logprobs"]
+    got = [t for c in streamed for t in c["meta_info"]["output_token_logprobs"]]
+    assert [t[1] for t in got] == [t[1] for t in whole]
+    assert all(abs(a[0] - b[0]) < 1e-4 for a, b in zip(got, whole))

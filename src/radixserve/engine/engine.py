@@ -122,7 +122,13 @@ class Engine:
                 item = await queue.get()
                 if isinstance(item, Exception):
                     raise item
-                yield _result(item.text, item.token_ids, item)
+                chunk = _result(item.text, item.token_ids, item)
+                if sampling.return_logprob:  # this chunk's tokens (and the prompt, once)
+                    prompt = (item.prompt_logprob_start, item.prompt_logprobs or [])
+                    first = inp.input_ids[0] if inp.input_ids else None
+                    lps = (item.logprobs or [])[: len(item.token_ids)]
+                    chunk["meta_info"] |= _logprob_meta(sampling, lps, prompt, first)
+                yield chunk
                 if item.finished:
                     return
         finally:
