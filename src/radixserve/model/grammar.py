@@ -9,6 +9,7 @@ xgrammar is imported only when the first grammar is compiled.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -19,6 +20,7 @@ import torch
 
 from radixserve.sched.batch import BatchEntry
 
+logger = logging.getLogger(__name__)
 # matchers of requests that did not run for this many steps are dropped (rebuilt on return)
 IDLE_STEPS = 256
 MAX_COMPILED = 64  # compiled grammars kept, most recently used first
@@ -30,6 +32,10 @@ class _Matcher:
     matcher: Any
     accepted: int  # output tokens it has consumed
     last_step: int
+    failed: bool = False  # xgrammar raised: the output ends here rather than the process
+
+    def ended(self) -> bool:
+        return self.failed or self.matcher.is_terminated()
 
 
 class Grammars:
@@ -82,14 +88,22 @@ class Grammars:
         """Forbid, in each grammar entry's row of ``logits``, what its grammar forbids next."""
         self._step += 1
         rows = [i for i, e in enumerate(entries) if e.sampling.grammar is not None]
-        live = [i for i in rows if not self._matcher(entries[i]).is_terminated()]
+        live = [i for i in rows if not self._matcher(entries[i]).ended()]
         if live:
             import xgrammar
 
             bitmask = xgrammar.allocate_token_bitmask(len(entries), logits.shape[-1])
             for i in live:
-                self._matcher(entries[i]).fill_next_token_bitmask(bitmask, i)
-            xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=live)
+                m = self._matcher(entries[i])
+                try:
+                    m.matcher.fill_next_token_bitmask(bitmask, i)
+                except Exception:
+                    logger.exception("grammar of request %s failed; ending it", entries[i].rid)
+                    m.failed = True
+            live = [i for i in live if not self._live[entries[i].rid].failed]
+            if live:
+                mask = bitmask.to(logits.device)
+                xgrammar.apply_token_bitmask_inplace(logits, mask, indices=live)
         # a finished grammar allows only the end (it goes on only under ignore_eos): the text
         # stays what the grammar accepted, as EOS is a special token
         for i in set(rows) - set(live):
@@ -105,16 +119,16 @@ class Grammars:
             if e.sampling.grammar is None:
                 continue
             m = self._live[e.rid]
-            if not m.matcher.is_terminated():
-                m.matcher.accept_token(token)
+            if not m.ended() and not m.matcher.accept_token(token):
+                m.failed = True  # cannot happen for a token drawn under its mask
             m.accepted += 1
 
-    def _matcher(self, e: BatchEntry) -> Any:
+    def _matcher(self, e: BatchEntry) -> _Matcher:
         m = self._live.get(e.rid)
         if m is None or m.grammar != e.sampling.grammar or m.accepted != e.num_generated:
             m = self._rebuild(e)
         m.last_step = self._step
-        return m.matcher
+        return m
 
     def _rebuild(self, e: BatchEntry) -> _Matcher:
         import xgrammar
