@@ -54,3 +54,13 @@ def test_engine_async_generate_streams_logprobs(engine):
     got = [t for c in streamed for t in c["meta_info"]["output_token_logprobs"]]
     assert [t[1] for t in got] == [t[1] for t in whole]
     assert all(abs(a[0] - b[0]) < 1e-4 for a, b in zip(got, whole))
+
+
+def test_a_sim_engine_refuses_what_needs_logits():
+    with Engine(sim="tiny-cpu") as sim:
+        with pytest.raises(ValueError, match="presence_penalty"):
+            sim.generate("hello", {"max_new_tokens": 2, "presence_penalty": 0.5})
+        with pytest.raises(ValueError, match="grammar"):
+            sim.generate("hello", {"max_new_tokens": 2, "regex": "[a-z]+"})
+        out = sim.generate("hello", {"max_new_tokens": 3, "min_new_tokens": 2})
+        assert out["meta_info"]["completion_tokens"] >= 2

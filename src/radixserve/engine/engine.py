@@ -16,7 +16,7 @@ from radixserve.engine.launch import EngineConfig, EngineProcesses, launch
 from radixserve.engine.messages import TextOut
 from radixserve.engine.tokenizer_manager import GenerateInput, TokenizerManager, prompt_inputs
 from radixserve.sched.batch import TokenLogprob
-from radixserve.sched.request import SamplingParams
+from radixserve.sched.request import SamplingParams, needs_logits
 
 SamplingArg = Mapping[str, Any] | SamplingParams | None
 
@@ -74,6 +74,8 @@ class Engine:
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """Generate for one prompt (returns a dict) or a list of them (a list of dicts)."""
         inputs, single = _inputs(prompt, input_ids, sampling_params)
+        for inp in inputs:
+            self._check_sim(inp.sampling)
         results = self._call(self._collect_all(inputs))
         return results[0] if single else results
 
@@ -104,6 +106,7 @@ class Engine:
     ) -> AsyncIterator[dict[str, Any]]:  # fmt: skip
         """Stream one request from any event loop: yields ``{"text": delta, ...}`` chunks."""
         sampling, prefill_only = _prefill_aware(sampling_params)
+        self._check_sim(sampling)
         inp = GenerateInput(text=prompt, input_ids=list(input_ids) if input_ids else None,
                             sampling=sampling, prefill_only=prefill_only)  # fmt: skip
         queue: asyncio.Queue = asyncio.Queue()
@@ -133,6 +136,12 @@ class Engine:
                     return
         finally:
             task.cancel()  # a consumer that stops early aborts the request
+
+    def _check_sim(self, sampling: SamplingParams) -> None:
+        """A simulated engine has no logits: refuse what needs them rather than ignore it."""
+        field = needs_logits(sampling) if self.config.sim is not None else None
+        if field is not None:
+            raise ValueError(f"{field} needs a model's logits; a sim engine has none")
 
     def flush_cache(self) -> bool:
         return bool(self._call(self.tm.control("flush_cache")))

@@ -77,6 +77,16 @@ class SamplingParams:
         return self.return_logprob and self.logprob_start_len >= 0
 
 
+# SamplingParams fields that only a real model's logits can honour, with their neutral values
+LOGIT_FIELDS = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+                "min_p": 0.0, "logit_bias": (), "grammar": None, "return_logprob": False}  # fmt: skip
+
+
+def needs_logits(sp: SamplingParams) -> str | None:
+    """The first field of ``sp`` that a runner without logits cannot honour, if any."""
+    return next((k for k, v in LOGIT_FIELDS.items() if getattr(sp, k) != v), None)
+
+
 def _check_penalties(p: SamplingParams) -> None:
     if p.min_new_tokens < 0 or p.min_new_tokens > p.max_new_tokens:
         raise ValueError(f"min_new_tokens must be in [0, max_new_tokens], got {p.min_new_tokens}")

@@ -17,7 +17,7 @@ from starlette.requests import Request
 from radixserve.engine.engine import sampling_from
 from radixserve.engine.launch import EngineProcesses
 from radixserve.engine.tokenizer_manager import GenerateInput, RequestError, TokenizerManager
-from radixserve.sched.request import SamplingParams
+from radixserve.sched.request import SamplingParams, needs_logits
 from radixserve.server.config import ServerConfig
 from radixserve.server.errors import ApiError
 from radixserve.server.metrics import ServerMetrics
@@ -25,14 +25,6 @@ from radixserve.server.protocol import check_supported
 from radixserve.server.streams import Generation
 
 M = TypeVar("M", bound=BaseModel)
-# SamplingParams fields that only a real model's logits can honour, with their neutral values
-LOGIT_FIELDS = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-                "min_p": 0.0, "logit_bias": (), "grammar": None, "return_logprob": False}  # fmt: skip
-
-
-def needs_logits(sp: SamplingParams) -> str | None:
-    """The first field of ``sp`` that a runner without logits cannot honour, if any."""
-    return next((k for k, v in LOGIT_FIELDS.items() if getattr(sp, k) != v), None)
 
 
 @dataclass
