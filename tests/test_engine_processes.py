@@ -99,7 +99,9 @@ def test_bad_requests_get_clear_errors_and_the_engine_goes_on(engine):
     with pytest.raises(RequestError, match="context length"):
         engine.generate("fox " * 200, GREEDY)
     with pytest.raises(ValueError, match="max_new_tokens"):
-        engine.generate(PROMPTS[0], {"max_new_tokens": 0})
+        engine.generate(PROMPTS[0], {"max_new_tokens": -1})
+    warm = engine.generate(PROMPTS[0], {"max_new_tokens": 0})  # prefill only, as SGLang's
+    assert warm["text"] == "" and warm["meta_info"]["completion_tokens"] == 0
     with pytest.raises(RequestError, match="token ids"):
         engine.generate(input_ids=[1, 2, 10**6], sampling_params=GREEDY)
     assert engine.generate(PROMPTS[0], GREEDY)["meta_info"]["completion_tokens"] == 12

@@ -51,9 +51,9 @@ BAD = [
         None,
     ),  # fmt: skip
     (
-        "max-new-tokens-0",
+        "max-new-tokens-neg",
         "/generate",
-        {"text": "a", "sampling_params": {"max_new_tokens": 0}},
+        {"text": "a", "sampling_params": {"max_new_tokens": -1}},
         400,
         None,
     ),  # fmt: skip
@@ -97,7 +97,14 @@ BAD = [
         404,
         "model_not_found",
     ),  # fmt: skip
-    ("echo", "/v1/completions", {"prompt": "a", "echo": True}, 400, "unsupported_parameter"),
+    ("suffix", "/v1/completions", {"prompt": "a", "suffix": "b"}, 400, "unsupported_parameter"),
+    (
+        "bad-regex",
+        "/generate",
+        {"text": "a", "sampling_params": {"regex": "[a-"}},
+        400,
+        "invalid_value",
+    ),  # fmt: skip
     (
         "image-part",
         "/v1/chat/completions",

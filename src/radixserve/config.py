@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -45,8 +46,12 @@ class SchedulerConfig:
     max_prefill_tokens: int = _f(16384, "uncached prompt tokens admitted per prefill step")
     chunked_prefill_size: int = _f(8192, "longest prefill chunk of one request (-1: no chunking)")
     max_running_requests: int = _f(256, "most requests running at once")
+    # Bounded by default: pure LPM holds a cold request back for as long as warm ones keep
+    # arriving; 1 s cut that tail 3.4x at no hit-rate cost (benchmarks/max_wait_tradeoff.py)
     max_wait_ms: float | None = _f(
-        None, "a request waiting longer than this is admitted ahead of cache order (None: never)"
+        1000.0,
+        "a request waiting longer than this is admitted ahead of the policy's order "
+        "(inf: never, pure cache order; 0: FCFS)",
     )
     enable_priority_scheduling: bool = _f(
         False, "order the waiting queue by request priority first"
@@ -66,6 +71,10 @@ class SchedulerConfig:
     enable_mixed_chunk: bool = _f(
         False, "run running requests' decodes in the same step as a prefill chunk"
     )
+
+    def __post_init__(self) -> None:
+        if self.max_wait_ms == math.inf:  # the CLI's way to say "never"; None in the API
+            object.__setattr__(self, "max_wait_ms", None)
 
 
 @dataclass(frozen=True, slots=True)

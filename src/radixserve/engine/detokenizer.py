@@ -34,6 +34,9 @@ CONTEXT_TOKENS = 6
 @dataclass(slots=True)
 class _Stream:
     stop: tuple[str, ...]
+    decode: Decode
+    no_stop_trim: bool = False
+    min_new_tokens: int = 0
     ids: list[int] = field(default_factory=list)
     prefix_offset: int = 0  # ids[prefix_offset:read_offset] is context already turned into text
     read_offset: int = 0
@@ -45,12 +48,18 @@ class _Stream:
 class IncrementalDetokenizer:
     """Per-request incremental decoding with stop-string handling."""
 
-    def __init__(self, decode: Decode) -> None:
-        self.decode = decode
+    def __init__(self, decode: Decode, decode_special: Decode | None = None) -> None:
+        self.decode = decode  # leaves special tokens out
+        self.decode_special = decode_special or decode  # keeps them (skip_special_tokens off)
         self.streams: dict[str, _Stream] = {}
 
-    def open(self, rid: str, stop: Sequence[str] = ()) -> None:
-        self.streams[rid] = _Stream(tuple(s for s in stop if s))
+    def open(
+        self, rid: str, stop: Sequence[str] = (), skip_special_tokens: bool = True,
+        no_stop_trim: bool = False, min_new_tokens: int = 0,
+    ) -> None:  # fmt: skip
+        decode = self.decode if skip_special_tokens else self.decode_special
+        stops = tuple(s for s in stop if s)
+        self.streams[rid] = _Stream(stops, decode, no_stop_trim, min_new_tokens)
 
     def feed(self, out: TokenOut) -> TextOut | None:
         """Turn a TokenOut into a TextOut; None once the request stopped on a string or was
@@ -58,12 +67,15 @@ class IncrementalDetokenizer:
         st = self.streams.get(out.rid)
         if st is None or st.stopped:
             return None
-        st.ids.extend(out.token_ids)
+        # a matched stop token id leaves no text, unless asked for (vLLM's and SGLang's rule)
+        trim = isinstance(out.matched_stop, int) and not st.no_stop_trim
+        st.ids.extend(out.token_ids[:-1] if trim else out.token_ids)
         self._decode_new(st, final=out.finished)
         finished, reason, matched = out.finished, out.finish_reason, out.matched_stop
-        stop_at = self._find_stop(st)
+        stop_at = self._find_stop(st) if out.completion_tokens >= st.min_new_tokens else None
         if stop_at is not None:
-            st.text, st.stopped = st.text[: stop_at[0]], True
+            end = stop_at[0] + (len(stop_at[1]) if st.no_stop_trim else 0)
+            st.text, st.stopped = st.text[:end], True
             finished, reason, matched = True, "stop", stop_at[1]
         end = len(st.text) if finished else len(st.text) - self._held_back(st)
         delta, st.sent = st.text[st.sent : end], max(st.sent, end)
@@ -71,7 +83,8 @@ class IncrementalDetokenizer:
             del self.streams[out.rid]
         return TextOut(
             out.rid, delta, list(out.token_ids), finished, reason, out.prompt_tokens,
-            out.cached_tokens, out.completion_tokens, matched,
+            out.cached_tokens, out.completion_tokens, matched, out.logprobs,
+            out.prompt_logprobs, out.prompt_logprob_start,
         )  # fmt: skip
 
     def close(self, rid: str) -> None:
@@ -80,8 +93,8 @@ class IncrementalDetokenizer:
         self.streams.pop(rid, None)
 
     def _decode_new(self, st: _Stream, final: bool) -> None:
-        prefix = self.decode(st.ids[st.prefix_offset : st.read_offset])
-        full = self.decode(st.ids[st.prefix_offset :])
+        prefix = st.decode(st.ids[st.prefix_offset : st.read_offset])
+        full = st.decode(st.ids[st.prefix_offset :])
         # an incomplete UTF-8 sequence decodes to U+FFFD: wait for the next token to complete it
         if full.endswith("\ufffd") and not final:
             return
@@ -114,7 +127,10 @@ def run_detokenizer(tokenizer_spec: TokenizerSpec, endpoints: Endpoints, parent_
     string found here is reported back to the scheduler so it stops computing the request."""
     exit_with_parent(parent_pid)
     tokenizer = tokenizer_spec.load()
-    detok = IncrementalDetokenizer(lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+    detok = IncrementalDetokenizer(
+        lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
+    )
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     pull.bind(endpoints.detok)
@@ -125,7 +141,8 @@ def run_detokenizer(tokenizer_spec: TokenizerSpec, endpoints: Endpoints, parent_
     while True:
         msg = pull.recv_pyobj()
         if isinstance(msg, OpenStream):
-            detok.open(msg.rid, msg.stop)
+            detok.open(msg.rid, msg.stop, msg.skip_special_tokens, msg.no_stop_trim,
+                       msg.min_new_tokens)  # fmt: skip
         elif isinstance(msg, TokenBatch):
             texts = _detokenize(detok, msg, to_sched)
             if texts:

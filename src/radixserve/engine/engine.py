@@ -15,7 +15,8 @@ from typing import Any
 from radixserve.engine.launch import EngineConfig, EngineProcesses, launch
 from radixserve.engine.messages import TextOut
 from radixserve.engine.tokenizer_manager import GenerateInput, TokenizerManager, prompt_inputs
-from radixserve.sched.request import SamplingParams
+from radixserve.sched.batch import TokenLogprob
+from radixserve.sched.request import SamplingParams, needs_logits
 
 SamplingArg = Mapping[str, Any] | SamplingParams | None
 
@@ -29,6 +30,14 @@ def sampling_from(arg: SamplingArg) -> SamplingParams:
         value = kw.get(name)
         if value is not None:
             kw[name] = (value,) if isinstance(value, (str, int)) else tuple(value)
+    if kw.get("top_k") == 0:  # vLLM's "off", as -1 is SGLang's
+        kw["top_k"] = -1
+    if isinstance(kw.get("logit_bias"), Mapping):  # {token id: bias}
+        kw["logit_bias"] = tuple((int(t), float(b)) for t, b in kw["logit_bias"].items())
+    for kind in ("json_schema", "regex"):  # SGLang's names for the one grammar
+        spec = kw.pop(kind, None)
+        if spec is not None:
+            kw["grammar"] = (kind, spec)
     return SamplingParams(**kw)
 
 
@@ -65,6 +74,8 @@ class Engine:
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """Generate for one prompt (returns a dict) or a list of them (a list of dicts)."""
         inputs, single = _inputs(prompt, input_ids, sampling_params)
+        for inp in inputs:
+            self._check_sim(inp.sampling)
         results = self._call(self._collect_all(inputs))
         return results[0] if single else results
 
@@ -73,20 +84,31 @@ class Engine:
 
     async def _collect(self, inp: GenerateInput) -> dict[str, Any]:
         text, ids, last = [], [], None
+        lps: list[TokenLogprob] = []
+        prompt: tuple[int, list[TokenLogprob]] = (0, [])
         async for out in self.tm.generate(inp):
             text.append(out.text)
             ids.extend(out.token_ids)
+            lps.extend(out.logprobs or [])
+            if out.prompt_logprobs:
+                prompt = (out.prompt_logprob_start, out.prompt_logprobs)
             last = out
         assert last is not None
-        return _result("".join(text), ids, last)
+        result = _result("".join(text), ids, last)
+        if inp.sampling.return_logprob:
+            first = inp.input_ids[0] if inp.input_ids else None
+            result["meta_info"] |= _logprob_meta(inp.sampling, lps[: len(ids)], prompt, first)
+        return result
 
     async def async_generate(
         self, prompt: str | None = None, sampling_params: SamplingArg = None,
         input_ids: Sequence[int] | None = None,
     ) -> AsyncIterator[dict[str, Any]]:  # fmt: skip
         """Stream one request from any event loop: yields ``{"text": delta, ...}`` chunks."""
+        sampling, prefill_only = _prefill_aware(sampling_params)
+        self._check_sim(sampling)
         inp = GenerateInput(text=prompt, input_ids=list(input_ids) if input_ids else None,
-                            sampling=sampling_from(sampling_params))  # fmt: skip
+                            sampling=sampling, prefill_only=prefill_only)  # fmt: skip
         queue: asyncio.Queue = asyncio.Queue()
         caller = asyncio.get_running_loop()
 
@@ -103,17 +125,37 @@ class Engine:
                 item = await queue.get()
                 if isinstance(item, Exception):
                     raise item
-                yield _result(item.text, item.token_ids, item)
+                chunk = _result(item.text, item.token_ids, item)
+                if sampling.return_logprob:  # this chunk's tokens (and the prompt, once)
+                    prompt = (item.prompt_logprob_start, item.prompt_logprobs or [])
+                    first = inp.input_ids[0] if inp.input_ids else None
+                    lps = (item.logprobs or [])[: len(item.token_ids)]
+                    chunk["meta_info"] |= _logprob_meta(sampling, lps, prompt, first)
+                yield chunk
                 if item.finished:
                     return
         finally:
             task.cancel()  # a consumer that stops early aborts the request
+
+    def _check_sim(self, sampling: SamplingParams) -> None:
+        """A simulated engine has no logits: refuse what needs them rather than ignore it."""
+        field = needs_logits(sampling) if self.config.sim is not None else None
+        if field is not None:
+            raise ValueError(f"{field} needs a model's logits; a sim engine has none")
 
     def flush_cache(self) -> bool:
         return bool(self._call(self.tm.control("flush_cache")))
 
     def stats(self) -> dict[str, Any]:
         return self._call(self.tm.control("stats"))
+
+    def update_scheduler_settings(self, **changes: Any) -> dict[str, Any]:
+        """Change schedule_policy, max_wait_ms or the priority settings while requests run;
+        returns the scheduler's settings. ValueError (nothing changed) if one is refused."""
+        out = self._call(self.tm.control("update_scheduler_settings", args=changes))
+        if "error" in out:
+            raise ValueError(out["error"])
+        return out["scheduler"]
 
     def shutdown(self) -> None:
         if self._loop.is_running():
@@ -137,8 +179,40 @@ def _inputs(prompt: Any, input_ids: Any, sampling: Any) -> tuple[list[GenerateIn
     if len(samplings) != len(inputs):
         raise ValueError("sampling_params must be one dict or one per prompt")
     for inp, s in zip(inputs, samplings):
-        inp.sampling = sampling_from(s)
+        inp.sampling, inp.prefill_only = _prefill_aware(s)
     return inputs, not batch
+
+
+def _prefill_aware(arg: SamplingArg) -> tuple[SamplingParams, bool]:
+    """``max_new_tokens: 0`` (prefill and cache the prompt only) runs as one hidden token."""
+    if isinstance(arg, Mapping) and arg.get("max_new_tokens") == 0:
+        return sampling_from({**arg, "max_new_tokens": 1}), True
+    return sampling_from(arg), False
+
+
+def _logprob_meta(
+    sp: SamplingParams,
+    out: list[TokenLogprob],
+    prompt: tuple[int, list[TokenLogprob]],
+    first_id: int | None,
+) -> dict[str, Any]:
+    """SGLang's logprob fields of ``meta_info``: ``[logprob, token_id, None]`` triples of the
+    prompt (from ``logprob_start_len``; position 0, ``first_id``, has no logprob) and of the
+    output."""
+
+    def triples(lps: list[TokenLogprob]) -> tuple[list[list[Any]], list[Any]]:
+        return ([[lp, t, None] for t, lp, _ in lps],
+                [[[v, i, None] for i, v in top] for _, _, top in lps])  # fmt: skip
+
+    start, got = prompt
+    skip = max(sp.logprob_start_len - start, 0)
+    first = [[None, first_id, None]] if sp.logprob_start_len == 0 else []
+    in_tokens, in_top = triples(got[skip:])
+    out_tokens, out_top = triples(out)
+    meta = {"input_token_logprobs": first + in_tokens, "output_token_logprobs": out_tokens}
+    if sp.top_logprobs_num:
+        meta |= {"input_top_logprobs": [None] * len(first) + in_top, "output_top_logprobs": out_top}
+    return meta
 
 
 def _result(text: str, ids: list[int], out: TextOut) -> dict[str, Any]:

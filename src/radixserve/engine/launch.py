@@ -7,7 +7,11 @@ import dataclasses
 import multiprocessing as mp
 import os
 import signal
+import sys
 import threading
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -177,11 +181,32 @@ def _start_all(procs: list[mp.process.BaseProcess]) -> None:
     )
     old = signal.pthread_sigmask(signal.SIG_BLOCK, held) if can_hold else None
     try:
+        with _main_hidden():
+            for p in procs:
+                p.start()
+    except OSError as e:  # no fork/exec, no semaphores, a process limit: say so in one line
         for p in procs:
-            p.start()
+            if p.pid is not None:
+                p.kill()
+        raise EngineStartError(f"radixserve cannot start its engine's child processes on this "
+                               f"platform: {e}") from e  # fmt: skip
     finally:
         if old is not None:
             signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+@contextmanager
+def _main_hidden() -> Iterator[None]:
+    """The children run radixserve's code only, so spawn must not re-run the caller's
+    ``__main__`` in them: code from stdin has no file to re-run, a notebook has none either,
+    and a script without an ``if __name__ == "__main__"`` guard would start engines forever."""
+    main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        if main is not None:
+            sys.modules["__main__"] = main
 
 
 def _wait_ready(engine: EngineProcesses, conn: Any) -> tuple[str, Any]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from radixserve.sched.batch import TokenLogprob
 from radixserve.sched.request import SamplingParams
 
 
@@ -44,10 +45,12 @@ class CloseStream:
 
 @dataclass(slots=True)
 class ControlReq:
-    """A request to the scheduler process that gets one ControlOut back (flush_cache, stats)."""
+    """A request to the scheduler process that gets one ControlOut back (flush_cache, stats,
+    update_scheduler_settings with its ``args``)."""
 
     req_id: str
     op: str
+    args: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -63,6 +66,7 @@ class ErrorOut:
     rid: str
     message: str
     code: int = 400
+    param: str | None = None  # the request field at fault, when one is
 
 
 @dataclass(slots=True)
@@ -71,6 +75,9 @@ class OpenStream:
 
     rid: str
     stop: tuple[str, ...]
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False  # keep a matched stop string in the text
+    min_new_tokens: int = 0  # stop strings count only from this many tokens on
 
 
 @dataclass(slots=True)
@@ -83,6 +90,10 @@ class TokenOut:
     cached_tokens: int
     completion_tokens: int
     matched_stop: int | str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when asked for
+    # logprobs of the prompt tokens at positions prompt_logprob_start.. (first output only)
+    prompt_logprobs: list[TokenLogprob] | None = None
+    prompt_logprob_start: int = 0
 
 
 @dataclass(slots=True)
@@ -101,6 +112,9 @@ class TextOut:
     cached_tokens: int
     completion_tokens: int
     matched_stop: int | str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
+    prompt_logprob_start: int = 0
 
 
 @dataclass(slots=True)

@@ -6,6 +6,7 @@ An idle process blocks in a poll, so an idle (simulated or real) worker uses no 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 import traceback
@@ -28,6 +29,7 @@ from radixserve.engine.messages import (
     TokenOut,
 )
 from radixserve.engine.procutil import Endpoints, exit_with_parent
+from radixserve.sched.batch import Batch, StepResult, TokenLogprob
 from radixserve.sched.request import FinishReason, Req, TokenOutput
 from radixserve.sched.scheduler import Scheduler
 
@@ -43,6 +45,8 @@ class Worker:
     realtime: bool
     events: KVEventPlane | None = None  # KV-cache events of the tree, published per step
     live: dict[str, Req] = field(default_factory=dict)  # requests whose tokens go out
+    # prompt logprobs computed by prefill chunks, by position, until the first token goes out
+    prompt_lp: dict[str, dict[int, TokenLogprob]] = field(default_factory=dict)
 
     def handle(self, msg: Any) -> None:
         if isinstance(msg, GenerateReq):
@@ -53,6 +57,7 @@ class Worker:
             else:
                 self.scheduler.finish(msg.rid, FinishReason.STOP)
             self.live.pop(msg.rid, None)
+            self.prompt_lp.pop(msg.rid, None)
             # after every token already sent for it, on the same socket: the detokenizer
             # can forget the request (always sent: it may have finished here meanwhile)
             self.push.send_pyobj(CloseStream(msg.rid))
@@ -63,13 +68,23 @@ class Worker:
         req = Req(
             msg.rid, msg.input_ids, msg.sampling, msg.priority, msg.routing_key, msg.namespace
         )
+        check = getattr(self.runner, "check_request", None)
+        try:
+            if check is not None:  # a grammar that does not compile, for one
+                check(msg.sampling)
+        except ValueError as e:
+            grammar = msg.sampling.grammar
+            self.push.send_pyobj(ErrorOut(msg.rid, str(e), 400, grammar and grammar[0]))
+            return
         try:
             self.scheduler.add_request(req)
         except ValueError as e:
             self.push.send_pyobj(ErrorOut(msg.rid, str(e), 400))
             return
         self.live[msg.rid] = req
-        self.push.send_pyobj(OpenStream(msg.rid, msg.sampling.stop))
+        sp = msg.sampling
+        self.push.send_pyobj(OpenStream(msg.rid, sp.stop, sp.skip_special_tokens, sp.no_stop_trim,
+                                        sp.min_new_tokens))  # fmt: skip
 
     def _control(self, msg: ControlReq) -> Any:
         if msg.op == "flush_cache":
@@ -83,7 +98,19 @@ class Worker:
             return self.events.snapshot() if self.events is not None else None
         if msg.op == "kv_events_stats":
             return self.events.stats() if self.events is not None else {}
+        if msg.op == "scheduler_config":  # the live settings, changed or not
+            return dataclasses.asdict(self.scheduler.config)
+        if msg.op == "update_scheduler_settings":
+            return self._update_settings(msg.args or {})
         return {"error": f"unknown control op {msg.op!r}"}
+
+    def _update_settings(self, changes: dict[str, Any]) -> dict[str, Any]:
+        """Between two steps, so no batch is in flight; a refused change changes nothing."""
+        try:
+            config = self.scheduler.update_settings(**changes)
+        except (TypeError, ValueError) as e:
+            return {"error": str(e)}
+        return {"scheduler": dataclasses.asdict(config)}
 
     def drain(self, block_ms: int | None) -> None:
         """Handle every message waiting; block up to ``block_ms`` for the first one."""
@@ -104,13 +131,26 @@ class Worker:
         result = self.runner.run(batch)
         if self.realtime and result.duration:
             time.sleep(result.duration)
+        lps = self._logprobs(batch, result)
         outs = self.scheduler.on_output(batch, result)
-        sent = [t for t in map(self._token_out, outs) if t is not None]
+        sent = [t for t in (self._token_out(o, lps.get(o.rid)) for o in outs) if t is not None]
         if sent:
             self.push.send_pyobj(TokenBatch(sent))
         return True
 
-    def _token_out(self, o: TokenOutput) -> TokenOut | None:
+    def _logprobs(self, batch: Batch, result: StepResult) -> dict[str, TokenLogprob]:
+        """The sampled tokens' logprobs by request; prompt logprobs go to ``prompt_lp``."""
+        sampled = {}
+        for i, lp in result.logprobs.items():
+            rid = batch.entries[i].rid
+            if lp.prompt and rid in self.live:
+                at = self.prompt_lp.setdefault(rid, {})
+                at.update(enumerate(lp.prompt, lp.prompt_start))
+            if lp.sampled is not None:
+                sampled[rid] = lp.sampled
+        return sampled
+
+    def _token_out(self, o: TokenOutput, logprob: TokenLogprob | None) -> TokenOut | None:
         req = self.live.get(o.rid)
         if req is None:  # stopped or aborted meanwhile
             return None
@@ -119,8 +159,15 @@ class Worker:
         matched = o.token_id if o.finished and o.token_id in stops else None
         if o.finished:
             del self.live[o.rid]
-        return TokenOut(o.rid, [o.token_id], o.finished, reason, len(req.input_ids),
-                        o.cached_tokens, req.num_generated, matched)  # fmt: skip
+        out = TokenOut(o.rid, [o.token_id], o.finished, reason, len(req.input_ids),
+                       o.cached_tokens, req.num_generated, matched)  # fmt: skip
+        if logprob is not None:
+            out.logprobs = [logprob]
+        prompt = self.prompt_lp.pop(o.rid, None)
+        if prompt:
+            out.prompt_logprob_start = min(prompt)
+            out.prompt_logprobs = [prompt[p] for p in sorted(prompt)]
+        return out
 
     def loop(self) -> None:
         busy = False

@@ -6,6 +6,7 @@ process dies.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import os
 import uuid
@@ -27,13 +28,21 @@ from radixserve.engine.messages import (
 )
 from radixserve.sched.request import SamplingParams
 
+# The engine's own request ids start with this; a client's rid may not, so that no client can
+# take (or abort) an id the server hands another client's request.
+SERVER_RID_PREFIX = "rs-"
+
 
 class RequestError(Exception):
     """A request the engine refused or could not finish; ``code`` is the HTTP status."""
 
-    def __init__(self, message: str, code: int = 400, err_type: str = "invalid_request_error"):
+    def __init__(
+        self, message: str, code: int = 400, err_type: str = "invalid_request_error",
+        param: str | None = None,
+    ) -> None:  # fmt: skip
         super().__init__(message)
         self.message, self.code, self.err_type = message, code, err_type
+        self.param = param
 
 
 class EngineDeadError(RequestError):
@@ -53,6 +62,11 @@ class GenerateInput:
     priority: int = 0
     routing_key: str | None = None
     namespace: str | None = None
+    # chat only (vLLM's semantics): open the assistant's turn, or continue the last message
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    # max_new_tokens 0: prefill (and cache) the prompt only; no text comes back
+    prefill_only: bool = False
 
 
 def prompt_inputs(prompt: Any) -> tuple[list[GenerateInput], bool]:
@@ -73,6 +87,8 @@ def prompt_inputs(prompt: Any) -> tuple[list[GenerateInput], bool]:
 @dataclass(slots=True)
 class _Pending:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    last: TextOut | None = None  # what the caller saw last; an abort repeats its counts
+    aborted: bool = False
 
 
 class TokenizerManager:
@@ -92,7 +108,7 @@ class TokenizerManager:
         self._pending: dict[str, _Pending] = {}
         self._controls: dict[str, asyncio.Future] = {}
         self._ids = itertools.count()
-        self._prefix = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._prefix = f"{SERVER_RID_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.dead: str | None = None
         self._tasks: list[asyncio.Task] = []
 
@@ -120,8 +136,7 @@ class TokenizerManager:
             if vocab and ids and (min(ids) < 0 or max(ids) >= vocab):  # C-speed scans
                 raise RequestError(f"input_ids must be token ids in [0, {vocab})")
         elif inp.messages is not None:
-            text = self.tokenizer.apply_chat_template(inp.messages, add_generation_prompt=True)
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            ids = self.tokenizer.encode(self.render_chat(inp), add_special_tokens=False)
         elif inp.text is not None:
             ids = self.tokenizer.encode(inp.text)
         else:
@@ -129,6 +144,39 @@ class TokenizerManager:
         if not ids:
             raise RequestError("the prompt is empty")
         return ids
+
+    def render_chat(self, inp: GenerateInput) -> str:
+        """The chat prompt as text. ``continue_final_message`` (vLLM's semantics): the last
+        message is left open, so that the model continues it rather than answering it."""
+        assert inp.messages is not None
+        if any(m.get("name") for m in inp.messages):
+            self._check_names_used(inp.messages)
+        if not inp.continue_final_message:
+            return self.tokenizer.apply_chat_template(
+                inp.messages, add_generation_prompt=inp.add_generation_prompt
+            )
+        if inp.add_generation_prompt:
+            raise RequestError("continue_final_message and add_generation_prompt cannot both "
+                               "be true")  # fmt: skip
+        text = self.tokenizer.apply_chat_template(inp.messages, add_generation_prompt=False)
+        last = str(inp.messages[-1].get("content") or "")
+        end = text.rfind(last) if last else -1
+        if end < 0:
+            raise RequestError("continue_final_message needs a last message with content that "
+                               "the chat template keeps")  # fmt: skip
+        return text[: end + len(last)]
+
+    def _check_names_used(self, messages: list[dict[str, Any]]) -> None:
+        """A message's name reaches the model only through the chat template: refuse it where
+        the template leaves it out, rather than drop it silently."""
+        bare = [{k: v for k, v in m.items() if k != "name"} for m in messages]
+
+        def render(ms: list[dict[str, Any]]) -> str:
+            return self.tokenizer.apply_chat_template(ms, add_generation_prompt=False)
+
+        if render(bare) == render(messages):
+            raise RequestError("this model's chat template does not use a message's name",
+                               err_type="unsupported_parameter")  # fmt: skip
 
     def check_length(self, ids: Sequence[int]) -> None:
         if len(ids) >= self.context_length:
@@ -146,11 +194,12 @@ class TokenizerManager:
             raise EngineDeadError(self.dead)
         ids = self.tokenize(inp)
         self.check_length(ids)
-        rid = inp.rid or f"{self._prefix}-{next(self._ids)}"
-        if rid in self._pending:
-            raise RequestError(f"request id {rid!r} is already in use")
+        rid = self._rid(inp.rid)
         pending = self._pending[rid] = _Pending()
-        req = GenerateReq(rid, ids, inp.sampling, inp.priority, inp.routing_key, inp.namespace)
+        # prompt logprobs come from computing the prompt: such a request shares no cached prefix
+        # (its own namespace), so every prompt token it asks about is computed for it
+        space = f"prompt-logprobs:{rid}" if inp.sampling.prompt_logprobs else inp.namespace
+        req = GenerateReq(rid, ids, inp.sampling, inp.priority, inp.routing_key, space)
         finished = False
         try:
             await self._push.send_pyobj(req)
@@ -159,22 +208,52 @@ class TokenizerManager:
                 if isinstance(msg, ErrorOut):
                     if msg.code == 503:
                         raise EngineDeadError(msg.message)
-                    raise RequestError(msg.message, msg.code)
+                    raise RequestError(msg.message, msg.code, param=msg.param)
                 finished = msg.finished
-                yield msg
+                pending.last = msg
+                if not inp.prefill_only:
+                    yield msg
+                elif finished:  # the one token sampled after the prefill is not shown
+                    yield _prefill_only(msg)
         finally:
             self._pending.pop(rid, None)
-            if not finished and not self.dead:
+            if not finished and not pending.aborted and not self.dead:
                 await self._push.send_pyobj(AbortReq(rid))
 
-    async def control(self, op: str, timeout: float = 30.0) -> Any:
-        """Ask the scheduler process something (``flush_cache``, ``stats``)."""
+    def _rid(self, asked: str | None) -> str:
+        if asked is None:
+            return f"{self._prefix}-{next(self._ids)}"
+        if asked.startswith(SERVER_RID_PREFIX):
+            raise RequestError(f"a request id may not start with {SERVER_RID_PREFIX!r} (the "
+                               "server's own ids do)", err_type="invalid_rid")  # fmt: skip
+        if asked in self._pending:
+            raise RequestError(f"request id {asked!r} is already in use", err_type="invalid_rid")
+        return asked
+
+    async def abort(self, rid: str | None) -> list[str]:
+        """End request ``rid`` (None: every request) as SGLang's /abort_request does: its caller
+        gets a last output with finish_reason "abort". Returns the ids it aborted."""
+        rids = list(self._pending) if rid is None else [rid] if rid in self._pending else []
+        for r in rids:
+            pending = self._pending[r]
+            if pending.aborted:
+                continue
+            pending.aborted = True
+            await self._push.send_pyobj(AbortReq(r))
+            pending.queue.put_nowait(_aborted(r, pending.last))
+        return rids
+
+    async def control(
+        self, op: str, timeout: float = 30.0, args: dict[str, Any] | None = None
+    ) -> Any:
+        """Ask the scheduler process something (``flush_cache``, ``stats``,
+        ``update_scheduler_settings``)."""
         if self.dead:
             raise EngineDeadError(self.dead)
         req_id = f"ctl-{next(self._ids)}"
         fut = self._controls[req_id] = asyncio.get_running_loop().create_future()
         try:
-            await self._push.send_pyobj(ControlReq(req_id, op))
+            await self._push.send_pyobj(ControlReq(req_id, op, args))
             return await asyncio.wait_for(fut, timeout)
         finally:
             self._controls.pop(req_id, None)
@@ -208,3 +287,15 @@ class TokenizerManager:
         for fut in self._controls.values():
             if not fut.done():
                 fut.set_exception(EngineDeadError(f"engine process died: {self.dead}"))
+
+
+def _prefill_only(out: TextOut) -> TextOut:
+    return dataclasses.replace(out, text="", token_ids=[], completion_tokens=0,
+                               finish_reason="length", matched_stop=None,
+                               logprobs=None)  # fmt: skip
+
+
+def _aborted(rid: str, last: TextOut | None) -> TextOut:
+    if last is None:
+        return TextOut(rid, "", [], True, "abort", 0, 0, 0)
+    return dataclasses.replace(last, text="", token_ids=[], finished=True, finish_reason="abort")

@@ -13,12 +13,16 @@ import torch
 from radixserve.config import ModelConfig
 from radixserve.model.arch import ModelArch
 from radixserve.model.attention import StepPlan, build_plan
+from radixserve.model.grammar import Grammars
 from radixserve.model.kv_pool import KVPool
 from radixserve.model.llama import LlamaModel
 from radixserve.model.loader import load_weights, resolve_model_dir
+from radixserve.model.logits_process import process_logits
+from radixserve.model.logprobs import prompt_logprobs, sampled_logprobs
 from radixserve.model.sampler import Sampler
 from radixserve.model.tokenizer import ModelInfo, load_model_info
-from radixserve.sched.batch import Batch, StepResult
+from radixserve.sched.batch import Batch, BatchEntry, EntryLogprobs, StepResult
+from radixserve.sched.request import SamplingParams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -38,41 +42,65 @@ class TorchRunner:
         self.model = LlamaModel(arch, load_weights(model_dir), self.dtype, self.device)
         self.kv = self.model.new_kv_pool(num_slots)
         self.sampler = Sampler(model_config.sampling_seed)
+        self.grammars = Grammars(self.info.tokenizer, arch.vocab_size, self.info.eos_token_ids)
 
     @property
     def arch(self) -> ModelArch:
         return self.model.arch
 
+    def check_request(self, sampling: SamplingParams) -> None:
+        """Raise ValueError for what this runner cannot honour (a grammar that does not
+        compile), before the request is queued."""
+        if sampling.grammar is not None:
+            self.grammars.compile(sampling.grammar)
+
     @torch.inference_mode()
     def run(self, batch: Batch) -> StepResult:
         """Compute the batch, write its K/V, and sample the entries that ask for a token."""
         sampled = [i for i, e in enumerate(batch.entries) if e.sample]
-        logits = self._forward(batch, sampled)
+        logits, logprobs = self._forward(batch, sampled)
         tokens: list[int | None] = [None] * len(batch.entries)
         if sampled:
             entries = [batch.entries[i] for i in sampled]
-            params = [e.sampling for e in entries]
-            ids = self.sampler.sample(logits, params, [e.num_generated for e in entries])
+            ids = self._sample(logits, entries)
+            for k, lp in sampled_logprobs(logits, entries, ids).items():
+                logprobs.setdefault(sampled[k], EntryLogprobs()).sampled = lp.sampled
             for i, token in zip(sampled, ids, strict=True):
                 tokens[i] = token
-        return StepResult(next_token_ids=tokens)
+        return StepResult(next_token_ids=tokens, logprobs=logprobs)
+
+    def _sample(self, logits: torch.Tensor, entries: list[BatchEntry]) -> list[int]:
+        """Tokens drawn from processed copies of the raw ``logits`` (kept for logprobs)."""
+        keep = any(e.sampling.return_logprob for e in entries)
+        processed = process_logits(logits.clone() if keep else logits, entries,
+                                   self.info.eos_token_ids)  # fmt: skip
+        self.grammars.mask(processed, entries)
+        params = [e.sampling for e in entries]
+        ids = self.sampler.sample(processed, params, [e.num_generated for e in entries])
+        self.grammars.accept(entries, ids)
+        return ids
 
     @torch.inference_mode()
     def logits(self, batch: Batch) -> torch.Tensor:
         """Float32 next-token logits ``[S, vocab]`` of the entries with ``sample`` set, in batch
         order (a step like ``run``, K/V writes included, without sampling)."""
-        return self._forward(batch, [i for i, e in enumerate(batch.entries) if e.sample])
+        return self._forward(batch, [i for i, e in enumerate(batch.entries) if e.sample])[0]
 
-    def _forward(self, batch: Batch, sampled: list[int]) -> torch.Tensor:
+    def _forward(
+        self, batch: Batch, sampled: list[int]
+    ) -> tuple[torch.Tensor, dict[int, EntryLogprobs]]:
+        """Logits of the sampled entries' last tokens, and the prompt logprobs asked for."""
         if not batch.entries:
-            return torch.empty(0, self.arch.vocab_size, device=self.device)
+            return torch.empty(0, self.arch.vocab_size, device=self.device), {}
         self._check_bounds(batch)
         plan: StepPlan = build_plan(batch.entries, self.device, self.dtype)
         hidden = self.model.forward(plan, self.kv)
         # only the last token of an entry that samples needs the (large) vocab projection
         rows = [plan.last_rows[i] for i in sampled]
         index = torch.tensor(rows, dtype=torch.int64, device=self.device)
-        return self.model.logits(hidden.index_select(0, index))
+        firsts = [r - len(e.token_ids) + 1 for r, e in zip(plan.last_rows, batch.entries)]
+        prompt = prompt_logprobs(hidden, firsts, batch.entries, self.model.logits)
+        return self.model.logits(hidden.index_select(0, index)), prompt
 
     def _check_bounds(self, batch: Batch) -> None:
         for e in batch.entries:

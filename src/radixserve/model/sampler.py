@@ -1,4 +1,5 @@
-"""Next-token choice from logits: greedy, temperature, top-k and top-p, with per-request seeds.
+"""Next-token choice from logits: greedy, temperature, top-k, top-p and min-p, with per-request
+seeds.
 
 A seeded request's draw depends only on (seed, tokens generated so far, logits), so a request that
 is retracted and recomputed samples exactly the same continuation.
@@ -67,10 +68,12 @@ def _draw(logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -
     ranks = torch.arange(vocab, device=device)[None, :]
     top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
     top_p = torch.tensor([p.top_p for p in params], device=device, dtype=probs.dtype)
-    # a token stays if it is in the top k and the mass before it has not reached top_p yet;
-    # the most likely token always stays
+    min_p = torch.tensor([p.min_p for p in params], device=device, dtype=probs.dtype)
+    # a token stays if it is in the top k, the mass before it has not reached top_p yet, and
+    # it is at least min_p times as likely as the most likely token, which always stays
     before = torch.cumsum(probs, dim=-1) - probs
     keep = (ranks < top_k[:, None]) & (before < top_p[:, None])
+    keep &= probs >= min_p[:, None] * probs[:, :1]
     keep[:, 0] = True
     cdf = torch.cumsum(probs * keep, dim=-1)
     target = (u.to(cdf.dtype) * cdf[:, -1])[:, None]

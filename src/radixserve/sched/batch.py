@@ -6,6 +6,7 @@ simulated runner and the discrete-event simulator.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from radixserve.sched.request import SamplingParams
@@ -30,6 +31,9 @@ class BatchEntry:
     # tokens generated so far; with the sampling seed it makes seeded sampling reproducible
     # after a retraction
     num_generated: int = 0
+    # the request's own token lists (shared, not copied): penalties and grammars read them
+    prompt_ids: Sequence[int] = field(default=(), repr=False)
+    output_ids: Sequence[int] = field(default=(), repr=False)
 
     @property
     def seq_len(self) -> int:
@@ -52,10 +56,26 @@ class Batch:
         return sum(len(e.token_ids) for e in self.entries)
 
 
+# (token id, its log-probability, the top alternatives as (token id, log-probability) pairs)
+TokenLogprob = tuple[int, float, tuple[tuple[int, float], ...]]
+
+
+@dataclass(slots=True)
+class EntryLogprobs:
+    """Log-probabilities one entry's step produced: of its sampled token (None if it sampled
+    none), and of the prompt tokens at positions ``prompt_start ..`` that this step computed."""
+
+    sampled: TokenLogprob | None = None
+    prompt_start: int = 0
+    prompt: list[TokenLogprob] = field(default_factory=list)
+
+
 @dataclass(slots=True)
 class StepResult:
     """What a runner returns: one next token per entry (None where ``sample`` was False),
-    and, for a simulated runner, how long the step took in seconds."""
+    and, for a simulated runner, how long the step took in seconds. ``logprobs`` maps the
+    index of an entry that asked for them to what its step produced."""
 
     next_token_ids: list[int | None]
     duration: float | None = None
+    logprobs: dict[int, EntryLogprobs] = field(default_factory=dict)

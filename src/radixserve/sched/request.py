@@ -34,10 +34,26 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # read by the model's logits processors (vLLM's and SGLang's semantics), never here
+    min_new_tokens: int = 0  # EOS and stop tokens/strings are held back until reached
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    grammar: tuple[str, str] | None = None  # ("json_schema" | "regex" | "json", spec)
+    # log probabilities: of the sampled tokens, and of the prompt from logprob_start_len on
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1  # -1: no prompt logprobs
+    # read by the detokenizer
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False  # keep the matched stop string in the output
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        _check_penalties(self)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -48,6 +64,43 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the logits need the request's token history before sampling."""
+        return bool(self.presence_penalty or self.frequency_penalty) or (
+            self.repetition_penalty != 1.0
+        )
+
+    @property
+    def prompt_logprobs(self) -> bool:
+        return self.return_logprob and self.logprob_start_len >= 0
+
+
+# SamplingParams fields that only a real model's logits can honour, with their neutral values
+LOGIT_FIELDS = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+                "min_p": 0.0, "logit_bias": (), "grammar": None, "return_logprob": False}  # fmt: skip
+
+
+def needs_logits(sp: SamplingParams) -> str | None:
+    """The first field of ``sp`` that a runner without logits cannot honour, if any."""
+    return next((k for k, v in LOGIT_FIELDS.items() if getattr(sp, k) != v), None)
+
+
+def _check_penalties(p: SamplingParams) -> None:
+    if p.min_new_tokens < 0 or p.min_new_tokens > p.max_new_tokens:
+        raise ValueError(f"min_new_tokens must be in [0, max_new_tokens], got {p.min_new_tokens}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -2 <= getattr(p, name) <= 2:
+            raise ValueError(f"{name} must be in [-2, 2], got {getattr(p, name)}")
+    if not p.repetition_penalty > 0:
+        raise ValueError(f"repetition_penalty must be > 0, got {p.repetition_penalty}")
+    if not 0 <= p.min_p <= 1:
+        raise ValueError(f"min_p must be in [0, 1], got {p.min_p}")
+    if any(not -100 <= b <= 100 for _, b in p.logit_bias):
+        raise ValueError("logit_bias values must be in [-100, 100]")
+    if p.top_logprobs_num < 0:
+        raise ValueError(f"top_logprobs_num must be >= 0, got {p.top_logprobs_num}")
 
 
 @dataclass(slots=True, eq=False)

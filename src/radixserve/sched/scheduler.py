@@ -6,6 +6,7 @@ from the injected clock, so the engine, the simulated engine and the simulator s
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -26,6 +27,9 @@ from radixserve.sched.validate import check_config, check_request
 # In-batch dedupe skips at most this many requests per pass, so a crowd of requests that share
 # one uncached prefix cannot make a pass scan the whole queue; they are matched next step.
 MAX_DEDUPE_SKIPS = 128
+# What update_settings may change while requests run: the waiting queue's order only.
+RUNTIME_SETTINGS = frozenset(("schedule_policy", "max_wait_ms", "enable_priority_scheduling",
+                              "priority_preemption_threshold"))  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -45,8 +49,9 @@ class SchedulerStats:
 def _entry(req: Req, tokens: list[int], start: int, slots: list[int], prefill: bool) -> BatchEntry:
     sample = start + len(tokens) == req.fill_len or not prefill
     return BatchEntry(
-        req.rid, tokens, start, slots, sample, req.sampling, prefill, req.num_generated
-    )
+        req.rid, tokens, start, slots, sample, req.sampling, prefill, req.num_generated,
+        req.input_ids, req.output_ids,
+    )  # fmt: skip
 
 
 class Scheduler:
@@ -181,6 +186,8 @@ class Scheduler:
 
     def _stop_reason(self, req: Req, token: int) -> FinishReason | None:
         sp = req.sampling
+        if len(req.output_ids) < sp.min_new_tokens:  # a runner that cannot mask them
+            return None
         if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_token_ids):
             return FinishReason.STOP
         # add_request made prompt + max_new_tokens fit the context, so this bound is enough
@@ -314,6 +321,8 @@ class Scheduler:
                     req.sampling,
                     False,
                     len(req.output_ids),
+                    req.input_ids,
+                    req.output_ids,
                 )
             )
         self.running.decay()
@@ -408,6 +417,27 @@ class Scheduler:
             num_retracted=n["retracted"],
             new_token_ratio=self.running.ratio,
         )
+
+    # -- settings changed at run time ----------------------------------------------------------
+    def update_settings(self, **changes: object) -> SchedulerConfig:
+        """Change how the waiting queue is ordered (RUNTIME_SETTINGS) without a restart: a new
+        frozen config and a new policy that takes over every waiting request, in the order
+        they queued; running requests and the cache are untouched. Raises ValueError (and
+        changes nothing) for a setting that cannot change or a value that is not valid."""
+        unknown = sorted(set(changes) - RUNTIME_SETTINGS)
+        if unknown:
+            raise ValueError(f"cannot change {', '.join(unknown)} at run time; these can: "
+                             f"{', '.join(sorted(RUNTIME_SETTINGS))}")  # fmt: skip
+        config = dataclasses.replace(self.config, **changes)
+        check_config(config, self.kv.page)
+        policy = make_policy(config, self.clock, self.kv.enabled)
+        waiting = [r for r in self._reqs.values() if r.state is ReqState.WAITING]
+        for req in sorted(waiting, key=lambda r: (r.queued_at, r.seq)):  # bounded wait's order
+            policy.add(req)
+        self.config = self.running.config = config
+        self.policy = policy
+        self.index.on_move, self.index.split_hook = policy.update, policy.on_split
+        return config
 
     def check_integrity(self) -> None:
         """Recount everything: free + evictable + protected + held == total, the tree's own

@@ -19,6 +19,7 @@ from radixserve.engine.launch import EngineProcesses
 from radixserve.engine.tokenizer_manager import GenerateInput, RequestError
 from radixserve.sched.request import SamplingParams
 from radixserve.server.config import ServerConfig
+from radixserve.server.control import admin_routes, control_routes
 from radixserve.server.errors import ApiError, install_handlers
 from radixserve.server.kv_events_routes import kv_events_routes
 from radixserve.server.metrics import CONTENT_TYPE, stats_dict
@@ -47,6 +48,8 @@ def create_app(config: ServerConfig, engine: EngineProcesses) -> FastAPI:
     app.state.server = state
     install_handlers(app)
     app.include_router(inference_routes(state))
+    app.include_router(control_routes(state))
+    app.include_router(admin_routes(state))
     app.include_router(_open_routes(state))
     app.include_router(_admin_routes(state))
     app.include_router(kv_events_routes(state))
@@ -77,6 +80,17 @@ async def _stats(state: ServerState) -> dict[str, Any] | None:
         return stats
     except (RequestError, asyncio.TimeoutError):
         return None
+
+
+async def _scheduler(state: ServerState) -> dict[str, Any]:
+    """The scheduler's live settings (changed at run time or not); the launch settings if the
+    engine cannot answer."""
+    if state.dead() is None:
+        try:
+            return await state.tm.control("scheduler_config", timeout=STATS_TIMEOUT_S)
+        except (RequestError, asyncio.TimeoutError):
+            pass
+    return dataclasses.asdict(state.engine.config.sched)
 
 
 def _open_routes(state: ServerState) -> APIRouter:
@@ -139,7 +153,7 @@ def _admin_routes(state: ServerState) -> APIRouter:
             "version": __version__, "served_model_name": state.model_name,
             "uptime_s": round(time.time() - state.started, 3),
             "server": state.config.public(), "model": dataclasses.asdict(ec.model),
-            "cache": dataclasses.asdict(ec.cache), "scheduler": dataclasses.asdict(ec.sched),
+            "cache": dataclasses.asdict(ec.cache), "scheduler": await _scheduler(state),
             "engine": state.engine.info, "engine_alive": state.dead() is None,
             "kv_events": state.engine.info.get("kv_events"),
             "stats": await _stats(state),

@@ -22,6 +22,9 @@ class ServerConfig:
         None, "the model name clients send and see (default: the model's own name)"
     )
     api_key: str | None = _f(None, "bearer key required on every endpoint but /health, /metrics")
+    admin_api_key: str | None = _f(
+        None, "bearer key of the admin endpoints (/set_internal_state, ...) instead of api_key"
+    )
     max_payload_size: int = _f(32 * 2**20, "largest request body in bytes (larger: 413)")
     max_batch_size: int = _f(256, "most choices one request may ask for (prompts x n)")
     health_generate_timeout_secs: float = _f(
@@ -47,4 +50,5 @@ class ServerConfig:
         """Settings safe to show on /get_server_info (no secrets)."""
         out = {f: getattr(self, f) for f in self.__dataclass_fields__}
         out["api_key"] = "***" if self.api_key else None
+        out["admin_api_key"] = "***" if self.admin_api_key else None
         return out

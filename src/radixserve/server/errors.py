@@ -39,7 +39,7 @@ class ApiError(Exception):
     def from_engine(cls, e: RequestError, param: str | None = None) -> ApiError:
         # the engine's err_type is OpenAI's "type"; a specific one doubles as the code
         code = "invalid_value" if e.err_type == "invalid_request_error" else e.err_type
-        return cls(e.code, e.message, code, param)
+        return cls(e.code, e.message, code, param or getattr(e, "param", None))
 
     @classmethod
     def from_validation(cls, e: ValidationError | RequestValidationError) -> ApiError:

@@ -3,10 +3,14 @@ string where a number belongs is a 400, not a guess), and their OpenAPI schema."
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import models_json_schema
+
+from radixserve.server.errors import ApiError
+from radixserve.server.sampling_args import grammar_of, logit_bias_pairs
 
 # Bounded so that no value can overflow an int64 tensor in the model process.
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
@@ -15,14 +19,16 @@ TopK = Annotated[int, Field(ge=-1, lt=2**31)]
 Stop = str | list[str] | None
 
 
+def _refusal(message: str) -> Exception:
+    from radixserve.server.errors import ApiError
+
+    return ApiError(400, message, param="server_args")
+
+
 def cache_namespace(body: Any) -> str | None:
     """The prefix-cache namespace of a request: requests with different ``cache_salt`` values
     never share cached KV (vLLM's semantics); the router keys its tree the same way. LoRA
-    adapters are not served yet, so naming one is refused rather than silently ignored."""
-    if body.lora_path:
-        from radixserve.server.errors import ApiError
-
-        raise ApiError(400, "LoRA adapters are not supported by this server", param="lora_path")
+    adapters are not served yet (``lora_path`` is refused by ``check_supported``)."""
     return f"salt:{body.cache_salt}" if body.cache_salt else None
 
 
@@ -39,6 +45,60 @@ def scheduling_fields(body: Any) -> dict[str, Any]:
 
 Priority = Annotated[int, Field(ge=-(2**31), lt=2**31)]
 RoutingKey = Annotated[str | None, Field(max_length=256)]
+UNSUPPORTED = "unsupported"  # json_schema_extra key: why the server refuses the field
+
+
+def unsupported(why: str, default: Any = None, accept: tuple[Any, ...] = ()) -> Any:
+    """Declare a field of OpenAI's or SGLang's schema that this server does not honour: a
+    request that sets it to anything but ``default`` (or one of ``accept``) gets a 400 naming
+    it. Declaring it (rather than letting ``extra="ignore"`` drop it) is what keeps it from
+    being silently ignored; to honour it, give it a real type and use it."""
+    extra = {UNSUPPORTED: why, "accept": [default, *accept]}
+    return Field(default, json_schema_extra=extra)  # type: ignore[arg-type]
+
+
+def refused(model: type[BaseModel]) -> dict[str, str]:
+    """The fields of ``model`` declared with ``unsupported``: name -> why."""
+    return {
+        name: f.json_schema_extra[UNSUPPORTED]  # type: ignore[index]
+        for name, f in model.model_fields.items()
+        if isinstance(f.json_schema_extra, dict) and UNSUPPORTED in f.json_schema_extra
+    }
+
+
+def check_supported(body: BaseModel, prefix: str = "") -> None:
+    """Refuse (400 naming the field, with its dotted path) the first unsupported field that
+    ``body`` or a model nested in it sets to a value the server cannot honour."""
+    from radixserve.server.errors import ApiError
+
+    for name, f in type(body).model_fields.items():
+        value = getattr(body, name)
+        extra = f.json_schema_extra
+        if isinstance(extra, dict) and UNSUPPORTED in extra and not _accepted(value, extra):
+            raise ApiError(400, f"{prefix}{name} is not supported by this server: "
+                           f"{extra[UNSUPPORTED]}", "unsupported_parameter", prefix + name)  # fmt: skip
+        for i, item in enumerate(value if isinstance(value, list) else [value]):
+            if isinstance(item, BaseModel):
+                at = f"{prefix}{name}.{i}." if isinstance(value, list) else f"{prefix}{name}."
+                check_supported(item, at)
+
+
+def _accepted(value: Any, extra: dict[str, Any]) -> bool:
+    # 0 == False in Python; a JSON false is not the number 0 here
+    return any(value == a and isinstance(value, bool) == isinstance(a, bool)
+               for a in extra["accept"])  # fmt: skip
+
+
+NOT_YET = "not implemented yet"
+NO_GRAMMAR = "structured output (a grammar engine) is not implemented yet"
+NO_LOGPROBS = "log probabilities are not returned yet"
+NO_TOOLS = "tool calling is not implemented for this server's chat templates"
+NO_MEDIA = "this server serves text-only models"
+NO_LORA = "LoRA adapters are not supported by this server"
+
+
+Bias = Annotated[float, Field(ge=-100, le=100)]
+MAX_TOP_LOGPROBS = 20  # as vLLM's default --max-logprobs
 
 
 class _Body(BaseModel):
@@ -61,6 +121,19 @@ class _Sampling(_Body):
     stop: Stop = None
     stop_token_ids: TokenIds | None = None
     ignore_eos: bool = False
+    # SGLang's sampling params (also accepted by its and vLLM's OpenAI routes)
+    min_p: float = Field(0.0, ge=0, le=1)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0)
+    logit_bias: dict[str, Bias] | None = None  # token id (as a JSON key) -> bias
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: Any = unsupported("special tokens are never shown", True)
+    no_stop_trim: bool = False
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: Any = unsupported(NO_GRAMMAR)
+    structural_tag: Any = unsupported(NO_GRAMMAR)
 
     def _seed(self) -> int | None:
         return self.seed
@@ -76,7 +149,32 @@ class _Sampling(_Body):
             "stop": self.stop or (),
             "stop_token_ids": self.stop_token_ids or (),
             "ignore_eos": self.ignore_eos,
+            "min_p": self.min_p,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "logit_bias": logit_bias_pairs(self.logit_bias),
+            "skip_special_tokens": self.skip_special_tokens,
+            "no_stop_trim": self.no_stop_trim,
+            "grammar": self._grammar(),
         }
+
+    def _grammar(self) -> tuple[str, str] | None:
+        return grammar_of(json_schema=self.json_schema, regex=self.regex)
+
+
+class JsonSchemaFormat(_Body):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # the output always follows the schema, strict or not
+
+
+class ResponseFormat(_Body):
+    """OpenAI's ``response_format``: free text, any JSON object, or JSON that a schema allows."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _OpenAISampling(_Sampling):
@@ -88,19 +186,66 @@ class _OpenAISampling(_Sampling):
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = Field(None, max_length=256)
-    lora_path: str | None = None
+    lora_path: Any = unsupported(NO_LORA)
     priority: Priority = 0
     routing_key: RoutingKey = None
+    # informational: identify the end user or the cache bucket; nothing to apply
+    user: str | None = None
+    # vLLM's extensions
+    min_tokens: int = Field(0, ge=0)
+    include_stop_str_in_output: bool = False
+    best_of: Any = unsupported(NOT_YET, None, (1,))
+    response_format: ResponseFormat | None = None
+    guided_json: Any = unsupported(NO_GRAMMAR)
+    guided_regex: Any = unsupported(NO_GRAMMAR)
+    guided_choice: Any = unsupported(NO_GRAMMAR)
+    guided_grammar: Any = unsupported(NO_GRAMMAR)
+    structured_outputs: Any = unsupported(NO_GRAMMAR)
+    use_beam_search: Any = unsupported("beam search is not implemented", False)
+    length_penalty: Any = unsupported("beam search is not implemented", 1.0)
+    prompt_logprobs: Any = unsupported(NO_LOGPROBS)
+    truncate_prompt_tokens: Any = unsupported("prompts are never truncated; a long one is a 400")
+    return_hidden_states: Any = unsupported("hidden states are not returned", False)
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def sampling(self, max_new_tokens: int | None) -> dict[str, Any]:
+        """SGLang's sampling keywords, with vLLM's and OpenAI's names mapped onto them."""
+        out = super().sampling(max_new_tokens)
+        out["min_new_tokens"] = self.min_tokens
+        out["no_stop_trim"] = self.include_stop_str_in_output or self.no_stop_trim
+        return out
+
+    def _grammar(self) -> tuple[str, str] | None:
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return super()._grammar()
+        if self.json_schema is not None or self.regex is not None:
+            raise ApiError(400, "give response_format or json_schema/regex, not both",
+                           param="response_format")  # fmt: skip
+        if fmt.type == "json_object":
+            return grammar_of(any_json=True)
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise ApiError(400, "response_format json_schema needs json_schema.schema",
+                           param="response_format.json_schema")  # fmt: skip
+        return ("json_schema", json.dumps(fmt.json_schema.schema_))
+
 
 class CompletionRequest(_OpenAISampling):
     prompt: str | list[str] | TokenIds | list[TokenIds]
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    suffix: Any = unsupported("insertion (text after the completion) is not implemented")
+    add_special_tokens: Any = unsupported("the tokenizer's special tokens are always added", True)
+
+    def sampling(self, max_new_tokens: int | None) -> dict[str, Any]:
+        out = super().sampling(max_new_tokens)
+        if self.logprobs is not None:  # with echo, the prompt's too (from its second token)
+            out |= {"return_logprob": True, "top_logprobs_num": self.logprobs,
+                    "logprob_start_len": 0 if self.echo else -1}  # fmt: skip
+        return out
 
 
 class ContentPart(_Body):
@@ -112,22 +257,68 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: Any = unsupported(NO_TOOLS, None, ([],))
+    tool_call_id: Any = unsupported(NO_TOOLS)
+    function_call: Any = unsupported(NO_TOOLS)
+    refusal: Any = unsupported("a refusal in the history has no place in the chat template")
+    audio: Any = unsupported(NO_MEDIA)
 
 
 class ChatCompletionRequest(_OpenAISampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: Any = unsupported(NO_TOOLS, None, ([],))
+    tool_choice: Any = unsupported(NO_TOOLS, None, ("none",))
+    parallel_tool_calls: Any = unsupported(NO_TOOLS)
+    functions: Any = unsupported(NO_TOOLS, None, ([],))
+    function_call: Any = unsupported(NO_TOOLS, None, ("none",))
+    audio: Any = unsupported(NO_MEDIA)
+    modalities: Any = unsupported(NO_MEDIA, None, (["text"],))
+    prediction: Any = unsupported("predicted outputs (speculative decoding) are not implemented")
+    reasoning_effort: Any = unsupported("the served models have no reasoning budget")
+    verbosity: Any = unsupported("the served models have no verbosity setting")
+    web_search_options: Any = unsupported("this server cannot search the web")
+    store: Any = unsupported("completions are never stored", False)
+    service_tier: Any = unsupported("one tier only", None, ("auto", "default"))
+    # informational: tags and identifiers; nothing to apply
+    metadata: dict[str, str] | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    # vLLM's chat extensions
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    echo: Any = unsupported("echoing the last message is not implemented", False)
+    chat_template: Any = unsupported("the model's own chat template is always used")
+    chat_template_kwargs: Any = unsupported("the chat template takes no extra variables")
+    documents: Any = unsupported("the chat template takes no documents")
+
+    def sampling(self, max_new_tokens: int | None) -> dict[str, Any]:
+        out = super().sampling(max_new_tokens)
+        if self.top_logprobs and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        if self.logprobs:
+            out |= {"return_logprob": True, "top_logprobs_num": self.top_logprobs or 0}
+        return out
 
 
 class GenerateSampling(_Sampling):
     """SGLang's ``sampling_params``; ``sampling_seed`` is SGLang's name for ``seed``."""
 
-    max_new_tokens: int | None = Field(None, ge=1)
+    max_new_tokens: int | None = Field(None, ge=0)  # 0: prefill (and cache) the prompt only
     sampling_seed: int | None = None
+    min_new_tokens: int = Field(0, ge=0)
+    n: Any = unsupported("send a batch of prompts instead", 1)
+    stop_regex: Any = unsupported("stop patterns are plain strings", None, ([],))
+    custom_params: Any = unsupported("custom logit processors are not supported")
 
     def _seed(self) -> int | None:
         return self.seed if self.seed is not None else self.sampling_seed
+
+    def sampling(self, max_new_tokens: int | None) -> dict[str, Any]:
+        return super().sampling(max_new_tokens) | {"min_new_tokens": self.min_new_tokens}
 
 
 class GenerateRequest(_Body):
@@ -137,17 +328,102 @@ class GenerateRequest(_Body):
     input_ids: TokenIds | list[TokenIds] | None = None
     sampling_params: GenerateSampling | list[GenerateSampling] | None = None
     stream: bool = False
-    rid: str | None = None
+    rid: str | list[str] | None = None
     cache_salt: str | None = Field(None, max_length=256)
-    lora_path: str | None = None
+    lora_path: Any = unsupported(NO_LORA)
     priority: Priority = 0
     routing_key: RoutingKey = None
+    return_logprob: bool | list[bool] = False
+    logprob_start_len: int = Field(-1, ge=-1)
+    top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
+    token_ids_logprob: Any = unsupported(NO_LOGPROBS)
+    return_text_in_logprobs: bool = False
+    input_embeds: Any = unsupported("prompts are text or token ids")
+    image_data: Any = unsupported(NO_MEDIA)
+    audio_data: Any = unsupported(NO_MEDIA)
+    video_data: Any = unsupported(NO_MEDIA)
+    custom_logit_processor: Any = unsupported("custom logit processors are not supported")
+    return_hidden_states: Any = unsupported("hidden states are not returned", False)
+    session_params: Any = unsupported("sessions are not implemented")
+    bootstrap_host: Any = unsupported("prefill/decode disaggregation is not implemented")
+    bootstrap_port: Any = unsupported("prefill/decode disaggregation is not implemented")
+    bootstrap_room: Any = unsupported("prefill/decode disaggregation is not implemented")
+    data_parallel_rank: Any = unsupported("one engine per server; route with radixserve route")
+
+    def logprob_args(self, i: int, count: int) -> dict[str, Any]:
+        """SamplingParams keywords for prompt ``i`` of ``count``: ``return_logprob`` may be one
+        flag or one per prompt."""
+        asked = self.return_logprob
+        if isinstance(asked, list):
+            if len(asked) != count:
+                raise ApiError(400, f"return_logprob has {len(asked)} entries for {count} "
+                               "prompts", param="return_logprob")  # fmt: skip
+            asked = asked[i]
+        if not asked:
+            return {}
+        return {"return_logprob": True, "top_logprobs_num": self.top_logprobs_num,
+                "logprob_start_len": self.logprob_start_len}  # fmt: skip
+
+
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize: a ``prompt``, or chat ``messages`` rendered by the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+    chat_template: Any = unsupported("the model's own chat template is always used")
+    chat_template_kwargs: Any = unsupported("the chat template takes no extra variables")
+    tools: Any = unsupported(NO_TOOLS, None, ([],))
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: TokenIds
+
+
+class SchedulerSettings(BaseModel):
+    """What /update_scheduler_settings may change on a running engine; only the fields a
+    request names change. Any other field is refused (400 naming it), never ignored."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+    schedule_policy: str | None = None
+    max_wait_ms: float | None = Field(None, ge=0)  # None: unbounded (pure cache order)
+    enable_priority_scheduling: bool | None = None
+    priority_preemption_threshold: int | None = Field(None, ge=0)
+
+    def changes(self) -> dict[str, Any]:
+        out = {name: getattr(self, name) for name in self.model_fields_set}
+        for name in ("schedule_policy", "enable_priority_scheduling"):
+            if name in out and out[name] is None:
+                raise _refusal(f"{name} cannot be null")
+        return out
+
+
+class InternalState(_Body):
+    """SGLang's /set_internal_state body: the settings under ``server_args``."""
+
+    server_args: SchedulerSettings
+
+
+class AbortRequest(_Body):
+    """SGLang's /abort_request: one request by its rid, or every request."""
+
+    rid: str = ""
+    abort_all: bool = False
 
 
 BODIES: tuple[type[BaseModel], ...] = (
     CompletionRequest,
     ChatCompletionRequest,
     GenerateRequest,
+    TokenizeRequest,
+    DetokenizeRequest,
+    AbortRequest,
+    InternalState,
 )
 
 

@@ -12,6 +12,13 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from radixserve.engine.messages import TextOut
+from radixserve.sched.batch import TokenLogprob
+from radixserve.server.logprobs import (
+    TokenText,
+    chat_content,
+    completion_logprobs,
+    prompt_entries,
+)
 
 DONE = b"data: [DONE]\n\n"
 SEP = (",", ":")
@@ -46,11 +53,22 @@ class Choice:
     ids: list[int] = field(default_factory=list)
     last: TextOut | None = None
     started: float = field(default_factory=time.perf_counter)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of ids, when asked for
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprob_start: int = 0
+    prompt_ids: list[int] = field(default_factory=list)  # set where an echo or logprobs need it
+    echo: str = ""  # the prompt text, for a completion with echo
+    text_offset: int = 0  # completions logprobs, streamed: where the next token's text starts
 
     def add(self, out: TextOut) -> None:
         self.parts.append(out.text)
         self.ids.extend(out.token_ids)
         self.last = out
+        if out.logprobs:
+            self.logprobs.extend(out.logprobs)
+        if out.prompt_logprobs:
+            self.prompt_logprobs = out.prompt_logprobs
+            self.prompt_logprob_start = out.prompt_logprob_start
 
     @property
     def text(self) -> str:
@@ -85,11 +103,17 @@ class Head:
     model: str
     id: str = ""
     created: int = 0
+    token_text: TokenText | None = None  # set when the client asked for logprobs
+    visible_text: TokenText | None = None  # a token's share of the text (no special tokens)
 
     @classmethod
-    def new(cls, chat: bool, model: str) -> Head:
+    def new(
+        cls, chat: bool, model: str, token_text: TokenText | None = None,
+        visible_text: TokenText | None = None,
+    ) -> Head:  # fmt: skip
         prefix = "chatcmpl-" if chat else "cmpl-"
-        return cls(chat, model, prefix + uuid.uuid4().hex, int(time.time()))
+        return cls(chat, model, prefix + uuid.uuid4().hex, int(time.time()), token_text,
+                   visible_text)  # fmt: skip
 
     def _top(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -102,15 +126,39 @@ class Head:
         return out
 
     def _choice(self, c: Choice) -> dict[str, Any]:
-        base = {"index": c.index, "logprobs": None, "finish_reason": c.finish_reason}
+        lps = self.logprobs(c, c.logprobs, c.ids, echo=True)
+        base = {"index": c.index, "logprobs": lps, "finish_reason": c.finish_reason}
         if self.chat:
             return {**base, "message": {"role": "assistant", "content": c.text}}
-        return {**base, "text": c.text}
+        return {**base, "text": c.echo + c.text}
 
-    def chunk(self, index: int, delta: dict[str, Any] | str, finish: str | None) -> dict[str, Any]:
+    def logprobs(
+        self, c: Choice, lps: list[TokenLogprob], ids: list[int], echo: bool, offset: int = 0
+    ) -> dict[str, Any] | None:
+        """The ``logprobs`` of tokens ``ids`` (of the prompt too for an ``echo``ed completion
+        whose prompt logprobs came, with ``offset`` where the tokens' text starts)."""
+        if self.token_text is None:
+            return None
+        if self.chat:
+            return chat_content(lps, self.token_text)
+        all_ids, all_lps = list(ids), list[TokenLogprob | None](lps)
+        if echo and c.echo:
+            p_ids, p_lps = prompt_entries(c.prompt_ids, 0, c.prompt_logprobs,
+                                          c.prompt_logprob_start)  # fmt: skip
+            all_ids, all_lps = p_ids + all_ids, p_lps + all_lps
+        visible = self.visible_text
+        return completion_logprobs(all_lps, self.token_text, all_ids, offset, visible)
+
+    def visible(self, token: int) -> str:
+        return (self.visible_text or self.token_text or str)(token)
+
+    def chunk(
+        self, index: int, delta: dict[str, Any] | str, finish: str | None,
+        logprobs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
         """One streamed chunk: ``delta`` is the chat delta or the completion text."""
         out = self._top("chat.completion.chunk" if self.chat else "text_completion")
-        item = {"index": index, "logprobs": None, "finish_reason": finish}
+        item = {"index": index, "logprobs": logprobs, "finish_reason": finish}
         item["delta" if self.chat else "text"] = delta
         out["choices"] = [item]
         return out

@@ -13,8 +13,15 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.requests import Request
 
 from radixserve.engine.messages import TextOut
-from radixserve.engine.tokenizer_manager import GenerateInput, RequestError, prompt_inputs
+from radixserve.engine.tokenizer_manager import (
+    SERVER_RID_PREFIX,
+    GenerateInput,
+    RequestError,
+    prompt_inputs,
+)
+from radixserve.sched.request import SamplingParams
 from radixserve.server.errors import ApiError
+from radixserve.server.logprobs import generate_meta
 from radixserve.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -30,6 +37,9 @@ from radixserve.server.streams import Generation, unless_disconnected
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 Render = Callable[[Choice, TextOut], Iterable[bytes]]
+# the OpenAI routes' names for SamplingParams fields whose names differ (in error messages)
+OPENAI_NAMES = {"min_new_tokens": "min_tokens", "grammar": "response_format",
+                "return_logprob": "logprobs", "no_stop_trim": "include_stop_str_in_output"}  # fmt: skip
 OPENAI_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 SGLANG_DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default for /generate
 
@@ -61,9 +71,6 @@ def inference_routes(state: ServerState) -> APIRouter:
 
 # -- OpenAI ----------------------------------------------------------------------------------
 def _completion_inputs(body: CompletionRequest) -> list[GenerateInput]:
-    if body.echo or body.logprobs is not None:
-        raise ApiError(400, "echo and logprobs are not supported", "unsupported_parameter",
-                       "echo" if body.echo else "logprobs")  # fmt: skip
     return _prompts(body.prompt, "prompt")[0]
 
 
@@ -75,12 +82,12 @@ def _prompts(value: Any, param: str) -> tuple[list[GenerateInput], bool]:
 
 
 def _chat_input(body: ChatCompletionRequest) -> GenerateInput:
-    if body.logprobs:
-        raise ApiError(400, "logprobs are not supported", "unsupported_parameter", "logprobs")
-    return GenerateInput(messages=[_message(m, i) for i, m in enumerate(body.messages)])
+    messages = [chat_message(m, i) for i, m in enumerate(body.messages)]
+    return GenerateInput(messages=messages, add_generation_prompt=body.add_generation_prompt,
+                         continue_final_message=body.continue_final_message)  # fmt: skip
 
 
-def _message(m: ChatMessage, i: int) -> dict[str, Any]:
+def chat_message(m: ChatMessage, i: int) -> dict[str, Any]:
     content = m.content
     if isinstance(content, list):
         if any(p.type != "text" for p in content):
@@ -96,20 +103,44 @@ async def _openai(
     prompts: list[GenerateInput], start: float,
 ) -> Response:  # fmt: skip
     state.check_model(body.model)
+    state.check_priority(body.priority)
     state.check_batch(len(prompts) * body.n)
     chat = isinstance(body, ChatCompletionRequest)
     asked = (body.max_completion_tokens or body.max_tokens) if chat else body.max_tokens
     limit_param = "max_completion_tokens" if chat and body.max_completion_tokens else "max_tokens"
     params = ("messages" if chat else "prompt", limit_param)
     default = None if chat else OPENAI_DEFAULT_MAX_TOKENS
-    prepared = [state.prepare(p, body.sampling(asked), default, params) for p in prompts]
+    prepared = [state.prepare(p, body.sampling(asked), default, params, OPENAI_NAMES)
+                for p in prompts]  # fmt: skip
     fields = scheduling_fields(body)
-    inputs = [dataclasses.replace(p, **fields) for p in prepared for _ in range(body.n)]
-    head = Head.new(chat, state.model_name)
+    inputs = [dataclasses.replace(p, **fields, sampling=_nth_seed(p.sampling, i))
+              for p in prepared for i in range(body.n)]  # fmt: skip
+    asked_lp = prepared[0].sampling.return_logprob if prepared else False
+    head = (Head.new(chat, state.model_name, state.token_text, state.visible_text) if asked_lp
+            else Head.new(chat, state.model_name))  # fmt: skip
     gen = state.start(inputs, start)
+    if not chat and body.echo:
+        _echo(state, gen, [p for p in prompts for _ in range(body.n)], inputs)
     if body.stream:
         return await _stream(request, gen, _openai_events(gen, head, body))
     return JSONBody(head.body(await _collect(request, gen), body.n))
+
+
+def _nth_seed(sampling: SamplingParams, i: int) -> SamplingParams:
+    """Choice ``i`` of ``n`` draws with ``seed + i`` (vLLM's rule), so that the n samples of a
+    seeded request differ from each other and each can be reproduced alone."""
+    if i == 0 or sampling.seed is None:
+        return sampling
+    return dataclasses.replace(sampling, seed=sampling.seed + i)
+
+
+def _echo(
+    state: ServerState, gen: Generation, asked: list[GenerateInput], sent: list[GenerateInput]
+) -> None:
+    """Completions with ``echo``: each choice's text starts with its prompt."""
+    for c, a, inp in zip(gen.choices, asked, sent, strict=True):
+        c.prompt_ids = list(inp.input_ids or [])
+        c.echo = a.text if a.text is not None else state.tm.tokenizer.decode(c.prompt_ids)
 
 
 def _openai_events(
@@ -132,16 +163,24 @@ def _with_usage(chunk: dict[str, Any], include_usage: bool) -> dict[str, Any]:
 
 def _text_render(head: Head, include_usage: bool) -> Render:
     def render(c: Choice, out: TextOut) -> Iterable[bytes]:
-        if out.text or out.finished:
-            yield sse(_with_usage(head.chunk(c.index, out.text, c.finish_reason), include_usage))
+        first = len(c.parts) == 1  # the echoed prompt goes out with the first delta
+        text = c.echo + out.text if first else out.text
+        lps = head.logprobs(c, out.logprobs or [], out.token_ids, first, c.text_offset)
+        if lps and lps["tokens"]:  # where the next chunk's first token starts
+            c.text_offset = lps["text_offset"][-1] + len(head.visible(out.token_ids[-1]))
+        if text or out.finished or (lps and lps["tokens"]):  # a token whose text waits
+            chunk = head.chunk(c.index, text, c.finish_reason, lps)
+            yield sse(_with_usage(chunk, include_usage))
 
     return render
 
 
 def _chat_render(head: Head, include_usage: bool) -> Render:
     def render(c: Choice, out: TextOut) -> Iterable[bytes]:
-        if out.text:
-            yield sse(_with_usage(head.chunk(c.index, {"content": out.text}, None), include_usage))
+        lps = head.logprobs(c, out.logprobs or [], out.token_ids, False)
+        if out.text or lps:
+            chunk = head.chunk(c.index, {"content": out.text}, None, lps)
+            yield sse(_with_usage(chunk, include_usage))
         if out.finished:
             yield sse(_with_usage(head.chunk(c.index, {}, c.finish_reason), include_usage))
 
@@ -160,26 +199,36 @@ async def _generate(
 ) -> Response:
     prompts, batch, param = _generate_prompts(body)
     state.check_batch(len(prompts))  # before tokenizing any of them
+    state.check_priority(body.priority)
     samplings = _samplings(body.sampling_params, len(prompts))
+    rids = _rids(body.rid, len(prompts), batch)
     params = (param, "sampling_params.max_new_tokens")
+    n = len(prompts)
+    asked = [s.sampling(s.max_new_tokens) | body.logprob_args(i, n)
+             for i, s in enumerate(samplings)]  # fmt: skip
     inputs = [
-        state.prepare(p, s.sampling(s.max_new_tokens), SGLANG_DEFAULT_MAX_NEW_TOKENS, params)
-        for p, s in zip(prompts, samplings)
+        state.prepare(p, a, SGLANG_DEFAULT_MAX_NEW_TOKENS, params) for p, a in zip(prompts, asked)
     ]
     fields = scheduling_fields(body)
-    inputs = [dataclasses.replace(p, **fields) for p in inputs]
-    if body.rid is not None and not batch:
-        inputs[0].rid = body.rid
+    inputs = [dataclasses.replace(p, **fields, rid=r) for p, r in zip(inputs, rids)]
     gen = state.start(inputs, start)
+    text = state.token_text if body.return_text_in_logprobs else None
+    for c, inp in zip(gen.choices, inputs):
+        c.prompt_ids = list(inp.input_ids or []) if inp.sampling.return_logprob else []
+
+    def result(c: Choice) -> dict[str, Any]:
+        out = generate_body(c, batch)
+        out["meta_info"] |= generate_meta(c, inputs[c.index].sampling, text)
+        return out
+
     if body.stream:
 
         def render(c: Choice, _: TextOut) -> list[bytes]:
-            return [sse(generate_body(c, batch))]
+            return [sse(result(c))]
 
         return await _stream(request, gen, _events(gen, render, [], list))
     choices = await _collect(request, gen)
-    out = [generate_body(c, True) for c in choices] if batch else generate_body(choices[0], False)
-    return JSONBody(out)
+    return JSONBody([result(c) for c in choices] if batch else result(choices[0]))
 
 
 def _generate_prompts(body: GenerateRequest) -> tuple[list[GenerateInput], bool, str]:
@@ -200,6 +249,20 @@ def _samplings(
         raise ApiError(400, f"sampling_params has {len(given)} entries for {count} prompts",
                        param="sampling_params")  # fmt: skip
     return given
+
+
+def _rids(given: str | list[str] | None, count: int, batch: bool) -> list[str | None]:
+    """SGLang's rid: one per prompt (a list for a batch); never in the server's own form."""
+    rids = given if isinstance(given, list) else [given] * count
+    if given is not None and (isinstance(given, list) != batch or len(rids) != count):
+        raise ApiError(400, "rid must be one string for one prompt, or a list of one per "
+                       "prompt for a batch", param="rid")  # fmt: skip
+    if any(r is not None and r.startswith(SERVER_RID_PREFIX) for r in rids):
+        raise ApiError(400, f"a rid may not start with {SERVER_RID_PREFIX!r}: the server's own "
+                       "request ids do", param="rid")  # fmt: skip
+    if given is not None and len(set(rids)) != count:
+        raise ApiError(400, "the rids of a batch must differ", param="rid")
+    return rids
 
 
 # -- shared ----------------------------------------------------------------------------------

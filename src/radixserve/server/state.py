@@ -7,7 +7,7 @@ import dataclasses
 import hmac
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -17,9 +17,11 @@ from starlette.requests import Request
 from radixserve.engine.engine import sampling_from
 from radixserve.engine.launch import EngineProcesses
 from radixserve.engine.tokenizer_manager import GenerateInput, RequestError, TokenizerManager
+from radixserve.sched.request import SamplingParams, needs_logits
 from radixserve.server.config import ServerConfig
 from radixserve.server.errors import ApiError
 from radixserve.server.metrics import ServerMetrics
+from radixserve.server.protocol import check_supported
 from radixserve.server.streams import Generation
 
 M = TypeVar("M", bound=BaseModel)
@@ -35,6 +37,7 @@ class ServerState:
     window: int  # most tokens one request may hold: the context, or the KV pool if smaller
     started: float
     live: set[Generation] = field(default_factory=set)  # requests now generating
+    priority_scheduling: bool = False  # as the scheduler now runs (settings change at run time)
 
     @classmethod
     def create(cls, config: ServerConfig, engine: EngineProcesses) -> ServerState:
@@ -42,7 +45,14 @@ class ServerState:
         tm = TokenizerManager(engine.tokenizer, ep.sched, ep.tm, engine.why_dead)
         name = config.served_model_name or str(info.get("model") or engine.tokenizer.name)
         window = min(tm.context_length, int(info.get("max_total_tokens") or tm.context_length))
-        return cls(config, engine, tm, ServerMetrics(), name, window, time.time())
+        state = cls(config, engine, tm, ServerMetrics(), name, window, time.time())
+        state.note_settings(dataclasses.asdict(engine.config.sched))
+        return state
+
+    def note_settings(self, sched: dict[str, Any]) -> None:
+        """Remember what the scheduler's live settings mean for requests."""
+        on = sched["enable_priority_scheduling"] or sched["schedule_policy"] == "priority"
+        self.priority_scheduling = on
 
     def dead(self) -> str | None:
         """Why the engine cannot serve, or None while it can."""
@@ -50,7 +60,13 @@ class ServerState:
 
     def authorize(self, request: Request) -> None:
         """FastAPI dependency: the bearer key, when the server has one."""
-        key = self.config.api_key
+        self._check_key(request, self.config.api_key)
+
+    def authorize_admin(self, request: Request) -> None:
+        """FastAPI dependency of the admin endpoints: the admin key, else the API key."""
+        self._check_key(request, self.config.admin_api_key or self.config.api_key)
+
+    def _check_key(self, request: Request, key: str | None) -> None:
         if key is None:
             return
         got = request.headers.get("authorization", "").encode()
@@ -64,6 +80,14 @@ class ServerState:
         raise ApiError(404, f"the model {name!r} does not exist; this server serves "
                        f"{self.model_name!r}", "model_not_found", "model")  # fmt: skip
 
+    def check_priority(self, priority: int) -> None:
+        """A priority only orders requests under priority scheduling: else it is refused."""
+        if priority and not self.priority_scheduling:
+            raise ApiError(400, "priority is not used by this server's scheduler (start it with "
+                           "--enable-priority-scheduling or --schedule-policy priority, or turn "
+                           "it on with /update_scheduler_settings)", "unsupported_parameter",
+                           "priority")  # fmt: skip
+
     def check_batch(self, count: int) -> None:
         if count > self.config.max_batch_size:
             raise ApiError(400, f"{count} choices asked for; at most "
@@ -71,7 +95,7 @@ class ServerState:
 
     def prepare(
         self, inp: GenerateInput, sampling: dict[str, Any], default_max: int | None,
-        params: tuple[str, str],
+        params: tuple[str, str], names: Mapping[str, str] | None = None,
     ) -> GenerateInput:  # fmt: skip
         """Tokenize ``inp`` and fix its sampling; ``default_max`` applies when the client set no
         limit (None: up to the context). ``params`` names the prompt and the limit fields."""
@@ -83,11 +107,35 @@ class ServerState:
                            params[0] if room < 1 else params[1])  # fmt: skip
         if asked is None:
             asked = room if default_max is None else min(default_max, room)
-        try:
-            sp = sampling_from({**sampling, "max_new_tokens": asked})
+        try:  # max_new_tokens 0 (prefill only) samples one token that is never shown
+            sp = sampling_from({**sampling, "max_new_tokens": max(asked, 1)})
         except (TypeError, ValueError) as e:
             raise ApiError(400, str(e)) from e
-        return dataclasses.replace(inp, text=None, messages=None, input_ids=ids, sampling=sp)
+        self._check_sampling(sp, names or {})
+        return dataclasses.replace(inp, text=None, messages=None, input_ids=ids, sampling=sp,
+                                   prefill_only=asked == 0)  # fmt: skip
+
+    def _check_sampling(self, sp: SamplingParams, names: Mapping[str, str]) -> None:
+        """Token ids in ``logit_bias`` must be in the vocabulary; a simulated engine has no
+        logits, so it refuses every field that needs them (named as the client named it)."""
+        vocab = getattr(self.tm.tokenizer, "vocab_size", None)
+        if vocab and any(t >= vocab for t, _ in sp.logit_bias):
+            raise ApiError(400, f"logit_bias keys must be token ids in [0, {vocab})",
+                           param="logit_bias")  # fmt: skip
+        if self.engine.config.sim is None:
+            return
+        field = needs_logits(sp)
+        if field is not None:
+            name = names.get(field, field)
+            raise ApiError(400, f"{name} needs a model's logits; a --sim engine has none",
+                           "unsupported_parameter", name)  # fmt: skip
+
+    def token_text(self, token: int) -> str:
+        """One token's text, special tokens included (for logprobs)."""
+        return self.tm.tokenizer.decode([token], skip_special_tokens=False)
+
+    def visible_text(self, token: int) -> str:
+        return self.tm.tokenizer.decode([token], skip_special_tokens=True)
 
     def _tokenize(self, inp: GenerateInput, param: str) -> list[int]:
         try:
@@ -132,7 +180,9 @@ async def read_json(request: Request, model: type[M], limit: int) -> M:
         data = json.loads(b"".join(chunks), parse_constant=_no_constant)
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
         raise ApiError(400, f"the body is not valid JSON: {e}", "invalid_json") from e
-    return model.model_validate(data)
+    body = model.model_validate(data)
+    check_supported(body)
+    return body
 
 
 def _too_large(limit: int) -> ApiError:
