@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 
@@ -63,6 +64,29 @@ def test_an_idle_sim_server_uses_next_to_no_cpu(sim_server):
     time.sleep(2.0)
     used = cpu_seconds(tree) - before
     assert used < IDLE_CPU_S, f"{used:.2f} CPU seconds in 2 s idle by {tree}"
+
+
+def test_any_text_is_a_prompt_in_the_vocabulary(sim_server):
+    """Words that read as rendered token ids past the vocabulary ("hide" = hi + de, longer ones
+    much larger) are hashed into range like any other word, never refused (issue 17, point 2)."""
+    from radixserve.sim.workloads import parse_text
+
+    rng = random.Random(17)
+    texts: list[str] = []
+    while len(texts) < 6:  # random strings; keep those with such a word (about 1 in 130)
+        text = "".join(rng.choice("abcdefghij ") for _ in range(100))
+        if any(_reads_as_id(parse_text, w) >= 32000 for w in text.split()):
+            texts.append(text)
+    for text in texts + ["a plain prompt", "hide the deadhead"]:
+        reply = sim_server.post("/generate", {"text": text, "sampling_params": SAMPLING})
+        assert reply.status == 200, (text, reply.body)
+
+
+def _reads_as_id(parse_text, word: str) -> int:
+    try:
+        return parse_text(word)[0]
+    except ValueError:
+        return -1
 
 
 def test_a_sim_server_loads_no_torch(sim_server):
