@@ -219,9 +219,12 @@ class TraceConfig:
     limit: int | None = _opt(None, "replay only the first N requests")
     request_rate: float | None = _opt(None, "Poisson arrivals per second (None: trace times)")
     block_tokens: int = _opt(512, "tokens generated per 512-token block (less shrinks prompts)")
+    vocab_size: int = _opt(32000, "token ids are drawn from [0, vocab_size - 1)")
     seed: int = _opt(0, "seed of the Poisson arrivals")
 
     def __post_init__(self) -> None:
+        if self.vocab_size < 3:
+            raise ValueError(f"vocab_size must be >= 3, got {self.vocab_size}")
         if not 1 <= self.block_tokens <= TRACE_BLOCK_TOKENS:
             raise ValueError(f"block_tokens must be in [1, 512], got {self.block_tokens}")
         if self.limit is not None and self.limit < 0:
@@ -256,7 +259,8 @@ def _parse_record(line: str, where: str) -> TraceRecord:
 
 
 def trace_replay(cfg: TraceConfig) -> list[WorkloadRequest]:
-    """Requests whose prompts are the trace's blocks: equal hash ids give equal tokens."""
+    """Requests whose prompts are the trace's blocks: equal hash ids give equal tokens, and two
+    prompts share exactly the tokens of their shared leading hash ids (see ``TraceTokens``)."""
     if cfg.path is None:
         raise ValueError("trace replay needs a path")
     records = read_trace(cfg.path, cfg.limit)
@@ -264,30 +268,52 @@ def trace_replay(cfg: TraceConfig) -> list[WorkloadRequest]:
         arrivals = [r.timestamp_ms / 1000 for r in records]
     else:
         arrivals = poisson_arrivals(len(records), cfg.request_rate, random.Random(cfg.seed))
-    blocks: dict[int, list[int]] = {}  # shared so that equal blocks share their int objects
+    tokens = TraceTokens(cfg.block_tokens, cfg.vocab_size)
     return [
-        WorkloadRequest(
-            f"trace-{i}",
-            t,
-            _trace_ids(r, cfg.block_tokens, blocks),
-            r.output_length,
-            hash_ids=r.hash_ids,
-        )
+        WorkloadRequest(f"trace-{i}", t, tokens.prompt(r), r.output_length, hash_ids=r.hash_ids)
         for i, (r, t) in enumerate(zip(records, arrivals, strict=True))
     ]
 
 
-def _trace_ids(rec: TraceRecord, block_tokens: int, blocks: dict[int, list[int]]) -> list[int]:
-    ids: list[int] = []
-    for h in rec.hash_ids[:-1]:
-        if h not in blocks:
-            # each hash id owns 512 ids of its own, so distinct blocks never share a token
-            blocks[h] = list(range(h * TRACE_BLOCK_TOKENS, h * TRACE_BLOCK_TOKENS + block_tokens))
-        ids += blocks[h]
-    last = rec.input_length - TRACE_BLOCK_TOKENS * (len(rec.hash_ids) - 1)
-    last = math.ceil(last * block_tokens / TRACE_BLOCK_TOKENS)
-    base = rec.hash_ids[-1] * TRACE_BLOCK_TOKENS
-    return ids + list(range(base, base + last))
+class TraceTokens:
+    """Token ids for a trace's blocks, all in ``[0, vocab_size - 1)`` (the last id is the
+    simulated engines' EOS), so that any engine accepts them, yet prefix sharing is exact.
+
+    A block's first token is its index among the blocks seen after the same parent block
+    (hash ids are prefix-chained: a block's id fixes its parent); the rest of the block is
+    filler. Blocks that follow a common prefix thus differ at their first token, and two
+    prompts share exactly the tokens of their shared leading blocks, as the trace implies.
+    More distinct blocks after one parent than the vocabulary allows is an error."""
+
+    def __init__(self, block_tokens: int, vocab_size: int) -> None:
+        self.block_tokens, self.vocab = block_tokens, vocab_size - 1
+        self._blocks: dict[int, list[int]] = {}  # shared: equal blocks share their int objects
+        self._children: dict[int | None, int] = {}  # parent hash id -> blocks seen after it
+
+    def prompt(self, rec: TraceRecord) -> list[int]:
+        ids: list[int] = []
+        parent = None
+        for h in rec.hash_ids:
+            block = self._blocks.get(h)
+            if block is None:
+                block = self._blocks[h] = self._new_block(h, parent)
+            ids += block
+            parent = h
+        last = rec.input_length - TRACE_BLOCK_TOKENS * (len(rec.hash_ids) - 1)
+        last = math.ceil(last * self.block_tokens / TRACE_BLOCK_TOKENS)
+        del ids[len(ids) - self.block_tokens + last :]
+        return ids
+
+    def _new_block(self, h: int, parent: int | None) -> list[int]:
+        first = self._children.get(parent, 0)
+        if first >= self.vocab:
+            raise ValueError(
+                f"more than {self.vocab} distinct blocks follow hash id {parent}: "
+                "raise --vocab-size to keep their prefixes apart"
+            )
+        self._children[parent] = first + 1
+        base = h * TRACE_BLOCK_TOKENS
+        return [first] + [(base + k) % self.vocab for k in range(1, self.block_tokens)]
 
 
 # --- hit rates -------------------------------------------------------------------------------
