@@ -163,6 +163,7 @@ class ClusterSim:
         res.engines = [e.load for e in self.engines]
         res.wall_s = time.perf_counter() - wall
         res.num_unfinished = len(self._live) + len(self._backlog)
+        res.router, res.schedule_policy = self.config.router, self.sched_config.schedule_policy
         return res
 
     def _prepare(
@@ -208,8 +209,8 @@ class ClusterSim:
         req = Req(w.rid, w.input_ids, self._params(w.output_len), arrival_time=now)
         try:
             eng.sched.add_request(req)
-        except ValueError:
-            self._result.num_rejected += 1
+        except ValueError as e:
+            self._result.reject(w.rid, str(e))
             self.policy.on_complete(eng.idx, view, now)
             self._finished_one(w.rid)
             return
