@@ -5,6 +5,8 @@ Next tokens are a hash of the context and each step's duration comes from a cost
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from radixserve.sched.batch import Batch, StepResult
 from radixserve.sim.costmodel import CostModel, StepEntry, get_cost_model
 
@@ -83,6 +85,45 @@ class SimRunner:
         if token == self.eos_token_id:
             token = (token + 1) % self.vocab_size
         return token
+
+    # -- runs of pure decode steps: equal to ``run`` on each step's batch, one call for all --
+    def decode_durations(self, contexts: Sequence[int], steps: int) -> list[float]:
+        """Each step's duration, the requests having ``contexts[i]`` tokens computed at first."""
+        return self._step_time.decode_steps(contexts, steps)
+
+    def decode_tokens(
+        self, lasts: Sequence[int], contexts: Sequence[int], steps: int
+    ) -> list[list[int]]:
+        """Each request's next ``steps`` tokens (its last token ``lasts[i]``, ``contexts[i]``
+        tokens computed). EOS is not checked: callers run only steps that cannot stop."""
+        if self.eos_token_id is not None:  # the EOS rules: token by token
+            return [self._tokens(last, ctx, steps) for last, ctx in zip(lasts, contexts)]
+        memo, mix, vocab, seed, mask = self._mixed, _mix64, self.vocab_size, self.seed, _MASK64
+        tokens = []
+        for last, ctx in zip(lasts, contexts, strict=True):
+            out = []
+            append = out.append
+            for seq_len in range(ctx + 1, ctx + 1 + steps):
+                # next_token inlined (no EOS): this loop is where long outputs spend their time
+                x = memo.get(last)
+                if x is None:
+                    x = mix(seed ^ (last & mask))
+                    if len(memo) < _MEMO_TOKENS:
+                        memo[last] = x
+                x = ((x ^ seq_len) + 0x9E3779B97F4A7C15) & mask
+                x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+                x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+                last = (x ^ (x >> 31)) % vocab
+                append(last)
+            tokens.append(out)
+        return tokens
+
+    def _tokens(self, last: int, ctx: int, steps: int) -> list[int]:
+        out = []
+        for seq_len in range(ctx + 1, ctx + 1 + steps):
+            last = self.next_token(last, seq_len)
+            out.append(last)
+        return out
 
     def generate(self, input_ids: list[int], max_new_tokens: int) -> list[int]:
         """What this runner outputs for a prompt, without a scheduler (stops after an EOS)."""
