@@ -156,3 +156,21 @@ def test_a_higher_priority_request_overtakes_a_queued_one():
         assert_error_body(bad, 400)
     finally:
         server.stop()
+
+
+def test_sim_vocab_size_sets_the_simulated_vocabulary(capsys):
+    """`serve --sim --sim-vocab-size N`: ids in [0, N) are served, N is refused by name; the
+    flag without --sim is refused, not ignored (issue 17, point 1)."""
+    from radixserve.cli import main
+
+    server = ServerProcess(["--sim", "tiny-cpu", "--sim-vocab-size", "100000"])
+    try:
+        ok = server.post("/generate", {"input_ids": [99_999, 40_000], "sampling_params": SAMPLING})
+        assert ok.status == 200, ok.body
+        bad = server.post("/generate", {"input_ids": [100_000], "sampling_params": SAMPLING})
+        assert_error_body(bad, 400)
+        assert "[0, 100000)" in bad.json()["error"]["message"]
+    finally:
+        server.stop()
+    assert main(["serve", "--sim-vocab-size", "5000"]) == 2
+    assert "--sim-vocab-size needs --sim" in capsys.readouterr().err

@@ -24,6 +24,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     sched: SchedulerConfig = field(default_factory=SchedulerConfig)
     sim: str | None = None  # a cost-model preset: simulated runner, real time
+    sim_vocab_size: int = 32000  # the simulated tokenizer's vocabulary
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -33,14 +34,14 @@ class EngineConfig:
                                ("sched", SchedulerConfig)):  # fmt: skip
             names = {f.name for f in dataclasses.fields(part_cls)}
             parts[name] = part_cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
-        sim = kwargs.pop("sim", None)
+        sim, vocab = kwargs.pop("sim", None), kwargs.pop("sim_vocab_size", 32000)
         if kwargs:
             raise TypeError(f"unknown engine options: {', '.join(sorted(kwargs))}")
-        return cls(sim=sim, **parts)
+        return cls(sim=sim, sim_vocab_size=vocab, **parts)
 
     def tokenizer_spec(self) -> TokenizerSpec:
         if self.sim is not None:
-            return TokenizerSpec("sim", context_length=self.model.context_length)
+            return TokenizerSpec("sim", None, self.model.context_length, self.sim_vocab_size)
         from radixserve.model.loader import resolve_model_dir
 
         return TokenizerSpec("hf", str(resolve_model_dir(self.model)), self.model.context_length)

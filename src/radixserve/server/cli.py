@@ -53,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         server = from_args(ServerConfig, args)
         engine_config = EngineConfig(from_args(ModelConfig, args), from_args(CacheConfig, args),
-                                     from_args(SchedulerConfig, args), sim=server.sim)  # fmt: skip
+                                     from_args(SchedulerConfig, args), sim=server.sim,
+                                     sim_vocab_size=server.sim_vocab_size)  # fmt: skip
     except ValueError as e:
         print(f"radixserve serve: {e}", file=sys.stderr)
         return 2
