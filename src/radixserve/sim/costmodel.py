@@ -210,12 +210,13 @@ class StepTimer:
         # every term and partial sum of the per-entry float sums is then an integer below 2**53,
         # so each float addition is exact and the sums equal these integers: O(1) a step
         tp, compute, memory, kvb = self._tp, self._compute, self._memory, int(kvb)
+        _, allreduce, overhead = fixed
         out = []
-        for j in range(steps):
-            s = total + n * j
-            flops, nbytes = float(half * (2 * s + n)), float(kvb * (s + n))
-            attention = max(flops / tp / compute, nbytes / memory)
-            out.append(linear + attention + fixed[1] + fixed[2])
+        append = out.append
+        for s in range(total, total + n * steps, n):  # the context sum at each step
+            f = float(half * (2 * s + n)) / tp / compute
+            b = float(kvb * (s + n)) / memory
+            append(linear + (b if b > f else f) + allreduce + overhead)  # max(f, b): roofline
         return out
 
     def _decode_steps_entrywise(
