@@ -247,7 +247,7 @@ class ClusterSim:
         self._views[eng.idx] = eng.view()
         self._live[w.rid] = (req, eng, view)
         if eng.run is not None:
-            self._cut(eng)
+            self._cut(eng, eng.run)
         if not eng.awake:
             eng.awake = True
             self._push(now, _WAKE, eng.idx)
@@ -291,23 +291,22 @@ class ClusterSim:
         eng.run = _DecodeRun(durations, ends, self._seq)
         self.run_counts["runs"] += 1
 
-    def _cut(self, eng: _Engine) -> None:
+    def _cut(self, eng: _Engine, run: _DecodeRun) -> None:
         """A request came in during a run: it ends with the step in flight (the first one
         ending at or after now; at equal times arrivals come before step completions)."""
-        run = eng.run
-        keep = bisect.bisect_left(run.ends, self.now) + 1  # type: ignore[union-attr]
-        if keep < len(run.ends):  # type: ignore[union-attr]
-            del run.durations[keep:], run.ends[keep:]  # type: ignore[union-attr]
-            self._stale.add(run.seq)  # type: ignore[union-attr]
+        keep = bisect.bisect_left(run.ends, self.now) + 1
+        if keep < len(run.ends):
+            del run.durations[keep:], run.ends[keep:]
+            self._stale.add(run.seq)
             self._seq += 1
-            run.seq = self._seq  # type: ignore[union-attr]
-            heapq.heappush(self._events, (run.ends[-1], _DONE, self._seq, eng.idx))  # type: ignore[union-attr]
+            run.seq = self._seq
+            heapq.heappush(self._events, (run.ends[-1], _DONE, self._seq, eng.idx))
             self.run_counts["cuts"] += 1
 
-    def _finish_run(self, eng: _Engine) -> None:
-        run, eng.run = eng.run, None
-        load, steps = eng.load, len(run.durations)  # type: ignore[union-attr]
-        for d in run.durations:  # type: ignore[union-attr]
+    def _finish_run(self, eng: _Engine, run: _DecodeRun) -> None:
+        eng.run = None
+        load, steps = eng.load, len(run.durations)
+        for d in run.durations:
             load.busy_s += d  # summed in step order, as one step at a time does
         load.steps += steps
         reqs = eng.sched.running.decoding.values()
@@ -319,7 +318,7 @@ class ClusterSim:
 
     def _complete(self, eng: _Engine) -> None:
         if eng.run is not None:
-            self._finish_run(eng)
+            self._finish_run(eng, eng.run)
             return
         batch, result = eng.batch, eng.result
         eng.batch = eng.result = None
