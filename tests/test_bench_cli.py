@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import socket
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -119,3 +120,32 @@ def test_summary_reports_the_servers_hit_rate() -> None:
     assert s["cache_hit_rate"] == pytest.approx(0.4)
     assert s["duration_s"] == pytest.approx(0.7)
     assert s["output_throughput"] == pytest.approx(8 / 0.7)
+
+
+def test_a_failed_run_reports_its_real_duration(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A server that accepts connections and never answers: every request times out after
+    0.5 s, two at a time, so the run takes about 2 s; the summary says so (issue 17, point 6)."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        out = tmp_path / "bench.json"
+        argv = ["bench", "--base-url", url, "--timeout-s", "0.5", "--max-concurrency", "2"]
+        assert main(argv + ["--json", str(out)] + small()) == 1
+    text = capsys.readouterr().out
+    assert "0/8 completed, 8 failed" in text
+    s = json.loads(out.read_text())["summary"]
+    assert s["duration_s"] >= 4 * 0.5 and s["request_throughput"] == 0.0
+    assert f"duration: {s['duration_s']:.2f} s; 0.00 req/s" in text
+
+
+def test_failed_requests_count_in_the_duration() -> None:
+    recs = [
+        RequestRecord("ok", 10, 0.0, 0.1, 0.5, [], 4),
+        RequestRecord("late", 10, 0.2, error="ReadTimeout", ended=165.0),
+    ]
+    s = summarize(recs)
+    assert s["duration_s"] == pytest.approx(165.0)
+    assert s["request_throughput"] == pytest.approx(1 / 165.0)

@@ -3,8 +3,12 @@
 
 from __future__ import annotations
 
+import json
+import random
 import threading
 import time
+from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -65,6 +69,55 @@ def test_an_idle_sim_server_uses_next_to_no_cpu(sim_server):
     assert used < IDLE_CPU_S, f"{used:.2f} CPU seconds in 2 s idle by {tree}"
 
 
+def test_any_text_is_a_prompt_in_the_vocabulary(sim_server):
+    """Words that read as rendered token ids past the vocabulary ("hide" = hi + de, longer ones
+    much larger) are hashed into range like any other word, never refused (issue 17, point 2)."""
+    from radixserve.sim.workloads import parse_text
+
+    rng = random.Random(17)
+    texts: list[str] = []
+    while len(texts) < 6:  # random strings; keep those with such a word (about 1 in 130)
+        text = "".join(rng.choice("abcdefghij ") for _ in range(100))
+        if any(_reads_as_id(parse_text, w) >= 32000 for w in text.split()):
+            texts.append(text)
+    for text in texts + ["a plain prompt", "hide the deadhead"]:
+        reply = sim_server.post("/generate", {"text": text, "sampling_params": SAMPLING})
+        assert reply.status == 200, (text, reply.body)
+
+
+def _reads_as_id(parse_text, word: str) -> int:
+    try:
+        return parse_text(word)[0]
+    except ValueError:
+        return -1
+
+
+def test_bench_replays_the_mooncake_trace_against_a_sim_worker(sim_server, tmp_path):
+    """Trace token ids fit the worker's 32k vocabulary, so every request is served, and the
+    worker's own hit rate is what the trace implies (issue 17, point 1; before, every request
+    was refused: "input_ids must be token ids in [0, 32000)")."""
+    pytest.importorskip("httpx")
+    from radixserve.cli import main
+
+    # the trace's requests that start with its most shared block (ids past 43,000): a run of
+    # 24 with real sharing, where the trace's first 24 share nothing
+    rows = [json.loads(line) for line in (Path(__file__).parents[1] / "traces" /
+            "mooncake_synthetic_trace.jsonl").read_text().splitlines()]  # fmt: skip
+    first = Counter(r["hash_ids"][0] for r in rows).most_common(1)[0][0]
+    trace = tmp_path / "shared.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows if r["hash_ids"][0] == first))
+    out = tmp_path / "bench.json"
+    assert sim_server.post("/flush_cache", b"").json()["success"] is True
+    argv = ["bench", "--base-url", sim_server.url, "--workload", "trace", "--trace", str(trace),
+            "--limit", "24", "--block-tokens", "16", "--max-concurrency", "1", "--no-progress",
+            "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert doc["summary"]["failed"] == 0, doc["summary"]["errors"]
+    assert doc["best_hit_rate"] > 0.2
+    assert doc["summary"]["cache_hit_rate"] == pytest.approx(doc["best_hit_rate"], abs=0.01)
+
+
 def test_a_sim_server_loads_no_torch(sim_server):
     """Many simulated workers share one machine: none of their processes maps torch."""
     for pid in sim_server.tree():
@@ -103,3 +156,21 @@ def test_a_higher_priority_request_overtakes_a_queued_one():
         assert_error_body(bad, 400)
     finally:
         server.stop()
+
+
+def test_sim_vocab_size_sets_the_simulated_vocabulary(capsys):
+    """`serve --sim --sim-vocab-size N`: ids in [0, N) are served, N is refused by name; the
+    flag without --sim is refused, not ignored (issue 17, point 1)."""
+    from radixserve.cli import main
+
+    server = ServerProcess(["--sim", "tiny-cpu", "--sim-vocab-size", "100000"])
+    try:
+        ok = server.post("/generate", {"input_ids": [99_999, 40_000], "sampling_params": SAMPLING})
+        assert ok.status == 200, ok.body
+        bad = server.post("/generate", {"input_ids": [100_000], "sampling_params": SAMPLING})
+        assert_error_body(bad, 400)
+        assert "[0, 100000)" in bad.json()["error"]["message"]
+    finally:
+        server.stop()
+    assert main(["serve", "--sim-vocab-size", "5000"]) == 2
+    assert "--sim-vocab-size needs --sim" in capsys.readouterr().err

@@ -103,12 +103,52 @@ def test_trace_replay_maps_equal_blocks_to_equal_tokens(tmp_path: Path) -> None:
     assert [r.output_len for r in reqs] == [3, 4, 5]
     a, b, c = (r.input_ids for r in reqs)
     assert a[:512] == b[:512] == c and a[512:600] != b[512:600]
-    assert len(set(a)) == 1100  # blocks never share a token
+    assert a[512] != b[512]  # blocks after one shared prefix differ at their first token
     assert block_hit_rate(reqs) == pytest.approx(2 / 6)
     # c is a's first block, cached whole, but an engine computes a prompt's last token, and
     # with 512-token pages that leaves no whole page cached
     assert ideal_prefix_hit_rate(reqs, page_size=512) == pytest.approx(512 / 2212)
     assert ideal_prefix_hit_rate(reqs) == pytest.approx((512 + 511) / 2212)
+
+
+def _implied_common(a: WorkloadRequest, b: WorkloadRequest, block: int) -> int:
+    """Tokens two trace prompts share by their hash ids: leading equal blocks, the shorter
+    length of a block that ends either prompt (its last block is partial), nothing more."""
+    common = 0
+    for i, (x, y) in enumerate(zip(a.hash_ids, b.hash_ids)):
+        if x != y:
+            break
+        la = min(block, len(a.input_ids) - i * block)
+        lb = min(block, len(b.input_ids) - i * block)
+        common += min(la, lb)
+        if la != lb:
+            break
+    return common
+
+
+def test_trace_ids_stay_in_the_vocabulary_and_share_what_the_hash_ids_share(
+    mooncake_trace: Path,
+) -> None:
+    """Mooncake's hash ids run past 60,000; every token id must still be one an engine with a
+    32k vocabulary accepts (issue 17, point 1), and prefixes must be shared exactly as the
+    hash ids say, so the hit rate is the one the trace implies."""
+    reqs = trace_replay(TraceConfig(path=str(mooncake_trace), block_tokens=16, limit=300))
+    assert max(h for r in reqs for h in r.hash_ids) * 16 >= 32000  # the old ids overflowed
+    assert all(0 <= t < 31999 for r in reqs for t in r.input_ids)  # 31999: the sim's EOS
+    for i, a in enumerate(reqs):
+        for b in reqs[i + 1 :]:
+            n = _implied_common(a, b, 16)
+            assert a.input_ids[:n] == b.input_ids[:n], (a.rid, b.rid)
+            if n < min(len(a.input_ids), len(b.input_ids)):
+                assert a.input_ids[n] != b.input_ids[n], (a.rid, b.rid)
+
+
+def test_a_trace_with_more_sibling_blocks_than_the_vocabulary_is_refused(tmp_path: Path) -> None:
+    rows = [
+        {"timestamp": i, "input_length": 10, "output_length": 1, "hash_ids": [i]} for i in range(5)
+    ]
+    with pytest.raises(ValueError, match="vocab-size"):
+        trace_replay(TraceConfig(path=write_trace(tmp_path, rows), vocab_size=4))
 
 
 def test_trace_options_and_bad_lines(tmp_path: Path) -> None:

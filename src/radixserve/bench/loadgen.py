@@ -40,6 +40,7 @@ class RequestRecord:
     prompt_tokens: int | None = None  # as the server counted them, when it reports usage
     cached_tokens: int | None = None
     error: str | None = None
+    ended: float | None = None  # when the request ended, answered or failed
 
     @property
     def ok(self) -> bool:
@@ -124,7 +125,13 @@ class _Run:
         t0 = time.perf_counter()
         rec.sent = t0 - self.start
         try:
-            async with self.client.stream("POST", cfg.backend.path, json=body) as resp:
+            await self._exchange(body, rec, t0)
+        finally:  # a failed request counts in the run's duration too
+            rec.ended = time.perf_counter() - self.start
+
+    async def _exchange(self, body: dict[str, Any], rec: RequestRecord, t0: float) -> None:
+        try:
+            async with self.client.stream("POST", self.cfg.backend.path, json=body) as resp:
                 if resp.status_code != 200:
                     text = (await resp.aread()).decode(errors="replace")[:200]
                     rec.error = f"HTTP {resp.status_code}: {text}"

@@ -29,8 +29,9 @@ def _ms(values: Sequence[float]) -> dict[str, float]:
 
 def summarize(records: Sequence[RequestRecord]) -> dict[str, Any]:
     ok = [r for r in records if r.ok]
-    start = min((r.sent for r in ok), default=0.0)
-    end = max((r.sent + (r.e2e or 0.0) for r in ok), default=0.0)
+    # the whole run, failed requests included: a run whose failures took minutes took minutes
+    start = min((r.sent for r in records), default=0.0)
+    end = max((_ended(r) for r in records), default=0.0)
     duration = end - start
     out_tokens = sum(r.output_tokens for r in ok)
     reported = [r for r in ok if r.cached_tokens is not None and r.prompt_tokens]
@@ -55,6 +56,10 @@ def summarize(records: Sequence[RequestRecord]) -> dict[str, Any]:
         "reported_prompt_tokens": prompt if reported else None,
         "cache_hit_rate": cached / prompt if prompt else None,
     }
+
+
+def _ended(r: RequestRecord) -> float:
+    return r.ended if r.ended is not None else r.sent + (r.e2e or 0.0)
 
 
 def format_summary(s: dict[str, Any], best: float | None = None) -> str:

@@ -29,6 +29,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     sched: SchedulerConfig = field(default_factory=SchedulerConfig)
     sim: str | None = None  # a cost-model preset: simulated runner, real time
+    sim_vocab_size: int = 32000  # the simulated tokenizer's vocabulary
     kv_events: KVEventsConfig | None = None  # publish KV-cache events (engine/kv_events.py)
 
     def __post_init__(self) -> None:
@@ -43,16 +44,16 @@ class EngineConfig:
                                ("sched", SchedulerConfig)):  # fmt: skip
             names = {f.name for f in dataclasses.fields(part_cls)}
             parts[name] = part_cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
-        sim = kwargs.pop("sim", None)
+        sim, vocab = kwargs.pop("sim", None), kwargs.pop("sim_vocab_size", 32000)
         events = kwargs.pop("kv_events_config", None)
         if kwargs:
             raise TypeError(f"unknown engine options: {', '.join(sorted(kwargs))}")
         kv_events = KVEventsConfig.from_json(events) if events is not None else None
-        return cls(sim=sim, kv_events=kv_events, **parts)
+        return cls(sim=sim, sim_vocab_size=vocab, kv_events=kv_events, **parts)
 
     def tokenizer_spec(self) -> TokenizerSpec:
         if self.sim is not None:
-            return TokenizerSpec("sim", context_length=self.model.context_length)
+            return TokenizerSpec("sim", None, self.model.context_length, self.sim_vocab_size)
         from radixserve.model.loader import resolve_model_dir
 
         return TokenizerSpec("hf", str(resolve_model_dir(self.model)), self.model.context_length)

@@ -90,9 +90,16 @@ class RunningSet:
             return [], 0.0
         return picked, freed
 
-    def decay(self) -> None:
+    def decay(self, steps: int = 1) -> None:
+        """``steps`` decode steps' decay, one subtraction at a time (as many single steps do)."""
         cfg = self.config
-        self.ratio = max(self.ratio - cfg.new_token_ratio_decay, cfg.min_new_token_ratio)
+        ratio, step, low = self.ratio, cfg.new_token_ratio_decay, cfg.min_new_token_ratio
+        for _ in range(steps):
+            if ratio <= low and step >= 0:  # at the floor it stays there
+                ratio = max(ratio, low)
+                break
+            ratio = max(ratio - step, low)
+        self.ratio = ratio
 
     def reset_ratio(self) -> None:
         self.ratio = self.config.new_token_ratio

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from radixserve.cache.pool import RequestSlotTable, SlotAllocator
@@ -17,6 +17,7 @@ from radixserve.cache.radix import RadixCache
 from radixserve.config import CacheConfig, SchedulerConfig
 from radixserve.sched.adder import AddResult, PrefillAdder
 from radixserve.sched.batch import Batch, BatchEntry, StepResult
+from radixserve.sched.decode_run import apply_run, run_length
 from radixserve.sched.kv import KVManager
 from radixserve.sched.policy import PassContext, make_policy
 from radixserve.sched.prefix_index import PrefixIndex
@@ -194,6 +195,20 @@ class Scheduler:
         if len(req.output_ids) >= sp.max_new_tokens:
             return FinishReason.LENGTH
         return None
+
+    # -- runs of pure decode steps (the simulator's fast path) -------------------------------
+    def decode_run_length(self) -> int:
+        """Pure decode steps ``step()`` would take next, one after another, if no request came
+        in meanwhile: none finishes a request, evicts or retracts (see ``decode_run``)."""
+        if self._in_flight is not None:
+            return 0
+        return run_length(self.running, len(self.policy), self.kv, self.eos_token_ids)
+
+    def advance_decodes(self, tokens: Sequence[Sequence[int]]) -> None:
+        """Take ``len(tokens[0])`` decode steps at once, as ``step()`` and ``on_output()`` would
+        one by one; ``tokens[i]``: the next tokens of ``running.decoding``'s i-th request."""
+        self._step_id += apply_run(self.running, self.kv, tokens)
+        self._last_chunk = False
 
     # -- prefill -----------------------------------------------------------------------------
     def _decode_turn(self) -> bool:

@@ -62,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
         events = getattr(args, "kv_events_config", None)
         engine_config = EngineConfig(from_args(ModelConfig, args), from_args(CacheConfig, args),
                                      from_args(SchedulerConfig, args), sim=server.sim,
+                                     sim_vocab_size=server.sim_vocab_size,
                                      kv_events=None if events is None
                                      else KVEventsConfig.from_json(events))  # fmt: skip
     except ValueError as e:

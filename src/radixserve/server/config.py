@@ -18,6 +18,9 @@ class ServerConfig:
     sim: str | None = _f(
         None, "simulate the model with this cost-model preset (e.g. tiny-cpu), in real time"
     )
+    sim_vocab_size: int = _f(
+        32000, "with --sim: token ids of the simulated tokenizer are in [0, N) (N - 1: EOS)"
+    )
     served_model_name: str | None = _f(
         None, "the model name clients send and see (default: the model's own name)"
     )
@@ -39,6 +42,10 @@ class ServerConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.sim_vocab_size != 32000 and self.sim is None:  # refused, not silently ignored
+            raise ValueError("--sim-vocab-size needs --sim (a real model has its own vocabulary)")
+        if self.sim_vocab_size < 3:
+            raise ValueError(f"sim_vocab_size must be >= 3, got {self.sim_vocab_size}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_payload_size < 1 or self.max_batch_size < 1:

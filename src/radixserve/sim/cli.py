@@ -104,6 +104,8 @@ def _run(args: argparse.Namespace) -> int:
     cache = from_args(CacheConfig, base)
     runner = SimRunner(cluster.preset, seed=cluster.sim_seed)
     workload, requests = make_requests(args, runner.generate)
+    if not requests:
+        raise ValueError(f"nothing to simulate: the {args.workload} workload has no requests")
     chat = args.workload == "multi-turn"
     outputs = (lambda r: runner.generate(r.input_ids, r.output_len)) if chat else None
     best = ideal_prefix_hit_rate(requests, cache.page_size, outputs)
@@ -118,21 +120,33 @@ def _run(args: argparse.Namespace) -> int:
         )
         config = dataclasses.replace(cluster, router=over["router"])
         res = simulate(requests, config, sched, cache, label, args.progress, best, block_tokens)
+        if res.num_rejected:  # they left the hit rate, so they leave the best too
+            res.best_hit_rate = ideal_prefix_hit_rate(
+                _served(requests, res), cache.page_size, outputs
+            )
         results.append(res)
     print(format_table(results))
-    if block_tokens:
-        ideal = block_hit_rate(requests)
-        for r in results:
+    for r in results:
+        if r.num_rejected:
+            print(f"warning: {r.label}: {r.rejections()}; hit and best count the "
+                  f"{r.num_requests - r.num_rejected} served requests only")  # fmt: skip
+        if block_tokens and r.block_hit_rate is not None:
+            ideal = block_hit_rate(_served(requests, r))
             print(f"{r.label}: {r.block_hit_rate:.1%} of prompt blocks hit (best {ideal:.1%})")
     print(_speed(results))
     if args.json:
-        _write_json(args.json, args.workload, workload, cluster, cache, results)
+        doc_sched = dataclasses.asdict(from_args(SchedulerConfig, base))
+        _write_json(args.json, args.workload, workload, cluster, cache, doc_sched, results)
     if args.plot:
         from radixserve.sim.plot import plot_results
 
         plot_results(results, args.plot, title=f"{args.workload}, {cluster.engines} engines")
         print(f"plot: {args.plot}")
-    return 0 if all(r.num_unfinished == 0 for r in results) else 1
+    return 0 if all(r.num_unfinished == 0 == r.num_rejected for r in results) else 1
+
+
+def _served(requests: list, res: SimResult) -> list:
+    return [r for r in requests if r.rid not in res.rejected_rids]
 
 
 def _header(
@@ -170,14 +184,23 @@ def _write_json(
     workload: Any,
     cluster: ClusterConfig,
     cache: CacheConfig,
+    sched: dict[str, Any],
     results: list[SimResult],
 ) -> None:
+    # the swept settings are per run (results[i].router, .schedule_policy): the top level lists
+    # what ran, one value when every run had the same
     doc = {
         "workload": {"name": name, **dataclasses.asdict(workload)},
-        "cluster": dataclasses.asdict(cluster),
+        "cluster": {**dataclasses.asdict(cluster), "router": _ran(r.router for r in results)},
+        "scheduler": {**sched, "schedule_policy": _ran(r.schedule_policy for r in results)},
         "cache": dataclasses.asdict(cache),
         "results": [r.to_dict() for r in results],
     }
     with open(path, "w", encoding="utf-8") as f:
         json.dump(finite(doc), f, indent=2, default=str)
     print(f"json: {path}")
+
+
+def _ran(values: Any) -> str | list[str]:
+    seen = list(dict.fromkeys(values))
+    return seen[0] if len(seen) == 1 else seen

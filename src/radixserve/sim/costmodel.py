@@ -5,7 +5,7 @@ Owns the model and GPU specs, the named presets (``llama3-8b-h100``, ...) and th
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -194,6 +194,45 @@ class StepTimer:
 
     def _roofline(self, flops: float, nbytes: float) -> float:
         return max(flops / self._tp / self._compute, nbytes / self._memory)
+
+    def decode_steps(self, contexts: Sequence[int], steps: int) -> list[float]:
+        """The times of ``steps`` pure decode steps of requests whose cached contexts start at
+        ``contexts`` and grow by one token a step: each equals this timer on that step's
+        entries, float for float."""
+        n, total = len(contexts), sum(contexts)
+        linear = max(self._lin_flops * n / self._tp / self._compute, self._lin_memory)
+        fixed = (linear, self._allreduce(n), self._overhead)
+        half, odd = divmod(self._attn, 2)
+        kvb = self._kv_bytes
+        last = total + n * steps  # the largest context sum, after the last step
+        if odd or not float(kvb).is_integer() or max(half * (2 * last + n), kvb * last) >= 2**53:
+            return self._decode_steps_entrywise(contexts, steps, fixed)
+        # every term and partial sum of the per-entry float sums is then an integer below 2**53,
+        # so each float addition is exact and the sums equal these integers: O(1) a step
+        tp, compute, memory, kvb = self._tp, self._compute, self._memory, int(kvb)
+        _, allreduce, overhead = fixed
+        out = []
+        append = out.append
+        for s in range(total, total + n * steps, n):  # the context sum at each step
+            f = float(half * (2 * s + n)) / tp / compute
+            b = float(kvb * (s + n)) / memory
+            append(linear + (b if b > f else f) + allreduce + overhead)  # max(f, b): roofline
+        return out
+
+    def _decode_steps_entrywise(
+        self, contexts: Sequence[int], steps: int, fixed: tuple[float, float, float]
+    ) -> list[float]:
+        attn, kvb = self._attn, self._kv_bytes
+        linear, allreduce, overhead = fixed
+        out = []
+        for j in range(steps):
+            flops = nbytes = 0.0
+            for ctx in contexts:  # as ``phases`` does, with new = 1
+                ctx += j
+                flops += attn * (ctx + 0.5)
+                nbytes += kvb * (ctx + 1)
+            out.append(linear + self._roofline(flops, nbytes) + allreduce + overhead)
+        return out
 
 
 # Model shapes from the Llama 3 model cards and config.json (meta-llama/Meta-Llama-3-8B and

@@ -4,6 +4,8 @@ load; plus the comparison table that several runs print as one."""
 from __future__ import annotations
 
 import math
+import re
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,6 +13,9 @@ from typing import Any
 from radixserve.sched.request import Req
 
 PERCENTILES = (50, 90, 99)
+# a rejection's reason without the request's own numbers, so equal reasons count together
+_REQUEST = re.compile(r"^request '[^']*': ")
+_SIZES = re.compile(r"prompt \(\d+ tokens\) \+ max_new_tokens \(\d+\)")
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:
@@ -55,6 +60,10 @@ class SimResult:
     engines: list[EngineLoad]
     num_finished: int = 0
     num_rejected: int = 0  # could never fit an engine's context or KV pool
+    rejected: Counter[str] = field(default_factory=Counter)  # why -> how many
+    rejected_rids: set[str] = field(default_factory=set, repr=False)
+    router: str = ""  # what ran: the router policy and the engines' schedule policy
+    schedule_policy: str = ""
     num_unfinished: int = 0  # must be 0: no request is ever lost
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -90,6 +99,19 @@ class SimResult:
         self.wait.append((req.first_scheduled_time or first) - arrival)
         if n > 1:
             self.tpot.append(((req.finish_time or first) - first) / (n - 1))
+
+    def reject(self, rid: str, why: str) -> None:
+        """Account a request no engine can ever serve (``why``: the scheduler's reason)."""
+        self.num_rejected += 1
+        self.rejected_rids.add(rid)
+        self.rejected[_REQUEST.sub("", _SIZES.sub("prompt + max_new_tokens", why))] += 1
+
+    def rejections(self) -> str:
+        """One line: how many were rejected and why ("" if none)."""
+        if not self.num_rejected:
+            return ""
+        why = "; ".join(f"{n} x {reason}" for reason, n in self.rejected.most_common())
+        return f"{self.num_rejected} of {self.num_requests} requests rejected ({why})"
 
     # -- derived -----------------------------------------------------------------------------
     @property
@@ -139,9 +161,12 @@ class SimResult:
     def to_dict(self) -> dict[str, Any]:
         return {
             "label": self.label,
+            "router": self.router,
+            "schedule_policy": self.schedule_policy,
             "num_requests": self.num_requests,
             "num_finished": self.num_finished,
             "num_rejected": self.num_rejected,
+            "rejected": dict(self.rejected),
             "num_unfinished": self.num_unfinished,
             "duration_s": self.duration_s,
             "output_throughput": self.output_throughput,

@@ -5,19 +5,12 @@ Next tokens are a hash of the context and each step's duration comes from a cost
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from radixserve.sched.batch import Batch, StepResult
 from radixserve.sim.costmodel import CostModel, StepEntry, get_cost_model
 
 _MASK64 = (1 << 64) - 1
-_MEMO_TOKENS = 1 << 16  # inner hashes kept per runner (at most about 8 MB)
-
-
-def _mix64(x: int) -> int:
-    """SplitMix64's finaliser: a cheap integer hash whose output bits all depend on the input."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
 
 
 class SimRunner:
@@ -52,7 +45,6 @@ class SimRunner:
         self.eos_token_id = eos_token_id
         # compare the hash's top 32 bits with a threshold instead of drawing a float
         self._eos_threshold = int(eos_prob * (1 << 32))
-        self._mixed: dict[int, int] = {}  # token id -> _mix64(seed ^ token id)
 
     def run(self, batch: Batch) -> StepResult:
         next_token = self.next_token
@@ -66,23 +58,46 @@ class SimRunner:
 
     def next_token(self, last_token: int, seq_len: int) -> int:
         """The token that follows a context of ``seq_len`` tokens ending in ``last_token``."""
-        # _mix64(_mix64(seed ^ last_token) ^ seq_len), with the inner hash memoised per token
-        # id (a vocabulary's worth) and the outer one inlined: this runs once per token
-        x = self._mixed.get(last_token)
-        if x is None:
-            x = _mix64(self.seed ^ (last_token & _MASK64))
-            if len(self._mixed) < _MEMO_TOKENS:
-                self._mixed[last_token] = x
-        x = ((x ^ seq_len) + 0x9E3779B97F4A7C15) & _MASK64
-        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-        h = x ^ (x >> 31)
+        # CPython's tuple hash (xxHash's mixing; ints are not salted by PYTHONHASHSEED, so it
+        # is the same in every process): a few times cheaper than mixing 64-bit ints in Python,
+        # and this runs once per generated token
+        h = hash((self.seed, last_token, seq_len)) & _MASK64
         if self.eos_token_id is not None and (h >> 32) < self._eos_threshold:
             return self.eos_token_id
         token = h % self.vocab_size
         if token == self.eos_token_id:
             token = (token + 1) % self.vocab_size
         return token
+
+    # -- runs of pure decode steps: equal to ``run`` on each step's batch, one call for all --
+    def decode_durations(self, contexts: Sequence[int], steps: int) -> list[float]:
+        """Each step's duration, the requests having ``contexts[i]`` tokens computed at first."""
+        return self._step_time.decode_steps(contexts, steps)
+
+    def decode_tokens(
+        self, lasts: Sequence[int], contexts: Sequence[int], steps: int
+    ) -> list[list[int]]:
+        """Each request's next ``steps`` tokens (its last token ``lasts[i]``, ``contexts[i]``
+        tokens computed). EOS is not checked: callers run only steps that cannot stop."""
+        if self.eos_token_id is not None:  # the EOS rules: token by token
+            return [self._tokens(last, ctx, steps) for last, ctx in zip(lasts, contexts)]
+        vocab, seed, mask = self.vocab_size, self.seed, _MASK64
+        tokens = []
+        for last, ctx in zip(lasts, contexts, strict=True):
+            out = []
+            append = out.append
+            for seq_len in range(ctx + 1, ctx + 1 + steps):
+                last = (hash((seed, last, seq_len)) & mask) % vocab  # next_token without EOS
+                append(last)
+            tokens.append(out)
+        return tokens
+
+    def _tokens(self, last: int, ctx: int, steps: int) -> list[int]:
+        out = []
+        for seq_len in range(ctx + 1, ctx + 1 + steps):
+            last = self.next_token(last, seq_len)
+            out.append(last)
+        return out
 
     def generate(self, input_ids: list[int], max_new_tokens: int) -> list[int]:
         """What this runner outputs for a prompt, without a scheduler (stops after an EOS)."""

@@ -1,7 +1,8 @@
 """A tokenizer for simulated engines: one whitespace-separated word per token id.
 
-Words written by ``workloads.render_text`` map back to their ids; any other word maps to a
-stable hash, so HTTP clients can send ordinary text to a ``serve --sim`` worker.
+Words written by ``workloads.render_text`` map back to their ids; any other word, and a word
+that reads as a rendered id outside the vocabulary, maps to a stable hash in range, so HTTP
+clients can send ordinary text to a ``serve --sim`` worker.
 """
 
 from __future__ import annotations
@@ -30,9 +31,14 @@ class SimTokenizer:
 
     def _word_id(self, word: str) -> int:
         try:
-            return parse_text(word)[0]
+            token = parse_text(word)[0]
         except (ValueError, KeyError, IndexError):
-            return xxhash.xxh64_intdigest(word.encode()) % (self.vocab_size - 1)
+            token = self.vocab_size
+        if token < self.vocab_size:
+            return token
+        # ordinary words often read as long syllable strings ("hide" = hi + de): an id past
+        # the vocabulary would make the engine refuse the whole prompt
+        return xxhash.xxh64_intdigest(word.encode()) % (self.vocab_size - 1)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         if skip_special_tokens:

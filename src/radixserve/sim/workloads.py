@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-TRACE_BLOCK_TOKENS = 512  # Mooncake's traces hash prompts in blocks of 512 tokens
+from radixserve.sim.trace_tokens import TRACE_BLOCK_TOKENS, TraceTokens
 
 ReplyFn = Callable[[list[int], int], list[int]]  # (prompt ids, n) -> the assistant's n tokens
 
@@ -266,9 +266,12 @@ class TraceConfig:
     limit: int | None = _opt(None, "replay only the first N requests")
     request_rate: float | None = _opt(None, "Poisson arrivals per second (None: trace times)")
     block_tokens: int = _opt(512, "tokens generated per 512-token block (less shrinks prompts)")
+    vocab_size: int = _opt(32000, "token ids are drawn from [0, vocab_size - 1)")
     seed: int = _opt(0, "seed of the Poisson arrivals")
 
     def __post_init__(self) -> None:
+        if self.vocab_size < 3:
+            raise ValueError(f"vocab_size must be >= 3, got {self.vocab_size}")
         if not 1 <= self.block_tokens <= TRACE_BLOCK_TOKENS:
             raise ValueError(f"block_tokens must be in [1, 512], got {self.block_tokens}")
         if self.limit is not None and self.limit < 0:
@@ -303,7 +306,8 @@ def _parse_record(line: str, where: str) -> TraceRecord:
 
 
 def trace_replay(cfg: TraceConfig) -> list[WorkloadRequest]:
-    """Requests whose prompts are the trace's blocks: equal hash ids give equal tokens."""
+    """Requests whose prompts are the trace's blocks: equal hash ids give equal tokens, and two
+    prompts share exactly the tokens of their shared leading hash ids (see ``TraceTokens``)."""
     if cfg.path is None:
         raise ValueError("trace replay needs a path")
     records = read_trace(cfg.path, cfg.limit)
@@ -311,30 +315,17 @@ def trace_replay(cfg: TraceConfig) -> list[WorkloadRequest]:
         arrivals = [r.timestamp_ms / 1000 for r in records]
     else:
         arrivals = poisson_arrivals(len(records), cfg.request_rate, random.Random(cfg.seed))
-    blocks: dict[int, list[int]] = {}  # shared so that equal blocks share their int objects
+    tokens = TraceTokens(cfg.block_tokens, cfg.vocab_size)
     return [
         WorkloadRequest(
             f"trace-{i}",
             t,
-            _trace_ids(r, cfg.block_tokens, blocks),
+            tokens.prompt(r.hash_ids, r.input_length),
             r.output_length,
             hash_ids=r.hash_ids,
         )
         for i, (r, t) in enumerate(zip(records, arrivals, strict=True))
     ]
-
-
-def _trace_ids(rec: TraceRecord, block_tokens: int, blocks: dict[int, list[int]]) -> list[int]:
-    ids: list[int] = []
-    for h in rec.hash_ids[:-1]:
-        if h not in blocks:
-            # each hash id owns 512 ids of its own, so distinct blocks never share a token
-            blocks[h] = list(range(h * TRACE_BLOCK_TOKENS, h * TRACE_BLOCK_TOKENS + block_tokens))
-        ids += blocks[h]
-    last = rec.input_length - TRACE_BLOCK_TOKENS * (len(rec.hash_ids) - 1)
-    last = math.ceil(last * block_tokens / TRACE_BLOCK_TOKENS)
-    base = rec.hash_ids[-1] * TRACE_BLOCK_TOKENS
-    return ids + list(range(base, base + last))
 
 
 # --- hit rates -------------------------------------------------------------------------------
