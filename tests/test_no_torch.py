@@ -21,6 +21,8 @@ PURE = [
     "radixserve.router.policies",
     "radixserve.router.index",
     "radixserve.router.event_format",
+    "radixserve.router.kv_aware",
+    "radixserve.router.events",
     "radixserve.router.app",
     "radixserve.router.cli",
     "radixserve.sim.costmodel",
