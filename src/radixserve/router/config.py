@@ -62,6 +62,11 @@ class RouterConfig:
         _POLICY.cache_aware_scheduling_min_tokens,
         "kv_aware: prompts shorter than this (tokens) are placed by load alone",
     )
+    tokenizer: str | None = _f(
+        None,
+        "kv_aware: the workers' tokenizer (model dir or GGUF; default: what the workers report "
+        "in /get_model_info)",
+    )
     api_key: str | None = _f(None, "bearer key required on inference endpoints")
     admin_api_key: str | None = _f(
         None, "bearer key required on worker management (default: --api-key)"
