@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from radixserve.config import CacheConfig, SchedulerConfig
+from radixserve.router.index import PrefixIndex
 from radixserve.router.policies import (
     CachePolicyConfig,
     RequestView,
@@ -36,6 +37,7 @@ from radixserve.sched.batch import Batch, StepResult
 from radixserve.sched.request import Req, SamplingParams
 from radixserve.sched.scheduler import Scheduler
 from radixserve.sim.costmodel import get_cost_model
+from radixserve.sim.kv_feed import KvFeed
 from radixserve.sim.report import EngineLoad, SimResult
 from radixserve.sim.runner import SimRunner
 from radixserve.sim.workloads import Chains, WorkloadRequest
@@ -73,6 +75,9 @@ class ClusterConfig:
     decode_runs: bool = _f(
         True, "advance runs of pure decode steps in one event (same results, faster)"
     )
+    cache_aware_scheduling_min_tokens: int = _f(
+        _POLICY.cache_aware_scheduling_min_tokens, "kv_aware: shorter prompts go by load alone"
+    )
 
     def __post_init__(self) -> None:
         if self.engines < 1:
@@ -96,6 +101,7 @@ class _Engine:
 
     __slots__ = (
         "idx", "sched", "runner", "batch", "result", "awake", "load", "requests", "tokens", "run",
+        "prefilling",
     )  # fmt: skip
 
     def __init__(self, idx: int, sched: Scheduler, runner: SimRunner) -> None:
@@ -106,9 +112,16 @@ class _Engine:
         self.run: _DecodeRun | None = None  # a run of pure decode steps in flight
         self.load = EngineLoad()
         self.requests = self.tokens = 0  # dispatched and not finished: the router's view
+        self.prefilling: dict[str, Req] = {}  # dispatched, no token out yet
 
     def view(self) -> WorkerView:
         return WorkerView(self.idx, self.requests, True, self.tokens)
+
+    def reported_view(self, now: float) -> WorkerView:
+        """The view plus the prefill tokens this engine has yet to compute, as a worker
+        reports them to kv_aware."""
+        left = sum(len(r.input_ids) - max(r.kv_len, r.match_len) for r in self.prefilling.values())
+        return WorkerView(self.idx, self.requests, True, self.tokens, left, now)
 
 
 @dataclass(slots=True)
@@ -145,6 +158,12 @@ class ClusterSim:
         ]
         self._views = [e.view() for e in self.engines]  # kept current as loads change
         self.policy = create_policy(config.router, config.policy_config(), config.sim_seed)
+        index = getattr(self.policy, "index", None)  # kv_aware: fed by the engines' caches
+        self._feed = (
+            KvFeed([e.sched.cache for e in self.engines], index)
+            if isinstance(index, PrefixIndex)
+            else None
+        )
         self._events: list[tuple[float, int, int, int]] = []
         self._seq = 0
         self._live: dict[str, tuple[Req, _Engine, RequestView]] = {}
@@ -228,6 +247,9 @@ class ClusterSim:
         w, now = self._reqs[i], self.now
         view = RequestView.from_prompt(input_ids=w.input_ids)
         self.policy.tick(now)
+        if self._feed is not None:
+            self._feed.flush()
+            self._views = [e.reported_view(now) for e in self.engines]
         pick = self.policy.select(self._views, view, now)
         eng = self.engines[pick]
         self.policy.on_dispatch(eng.idx, view, now)
@@ -248,6 +270,7 @@ class ClusterSim:
         self._live[w.rid] = (req, eng, view)
         if eng.run is not None:
             self._cut(eng, eng.run)
+        eng.prefilling[w.rid] = req
         if not eng.awake:
             eng.awake = True
             self._push(now, _WAKE, eng.idx)
@@ -324,6 +347,7 @@ class ClusterSim:
         eng.batch = eng.result = None
         done = 0
         for out in eng.sched.on_output(batch, result):  # type: ignore[arg-type]
+            eng.prefilling.pop(out.rid, None)
             if out.finished:
                 self._finish(out.rid)
                 done += 1
@@ -364,6 +388,10 @@ class ClusterSim:
         tree = getattr(self.policy, "tree", None)
         if tree is not None:
             tree.check_integrity()
+        if self._feed is not None:
+            for tracker in self._feed.trackers:
+                tracker.check()
+            getattr(self._feed.index, "check_integrity", lambda: None)()
 
 
 @contextmanager
