@@ -1,0 +1,201 @@
+"""The shared prefix index in Redis (Llumnix's KV metadata service): the schema, the batched
+writes of `radixserve kv-indexer`, and the one-round-trip lookup that routers make per request.
+
+Schema (``P`` is the key prefix, ``radixserve`` by default; every value is a string):
+
+``P:workers``    HASH  worker URL -> JSON ``{"n": int, "block_size": int, "hash_algo": str}``:
+                 the workers the indexer follows. ``n`` is the worker's small number, used in
+                 the block sets because an integer member keeps a set in Redis' compact intset
+                 encoding (a URL would cost ~10x the memory per block).
+``P:wurl``       HASH  worker number -> worker URL (the lookup script answers with URLs).
+``P:wnext``      STRING counter that hands out worker numbers.
+``P:b:<key>``    SET   worker numbers that hold the block whose key is ``<key>``: the router's
+                 own chained block hash (``radixserve.cache.hashing``, decimal for xxhash64,
+                 hex for the sha256 family) of the prompt's tokens up to the end of the block.
+                 The namespace (LoRA adapter, cache salt) is the chain's root, so equal keys
+                 mean equal namespace and equal tokens from the first token on.
+``P:m:<n>``      HASH  engine block hash -> ``<key>``, everything worker ``n`` holds: resolves
+                 ``BlockRemoved`` (which names the engine's hashes) and lets a worker's entries
+                 be dropped completely.
+
+A worker ``n`` holds block ``<key>`` exactly when ``n`` is in ``P:b:<key>`` and ``<key>`` is a
+value of ``P:m:<n>``; every write keeps both in one MULTI/EXEC transaction per event batch.
+Lookup: ``EVALSHA`` of `LOOKUP_LUA` with KEYS = [``P:wurl``, ``P:b:<k1>``, ..., ``P:b:<kN>``]
+(the prompt's block keys in order) returns a flat list ``[url, blocks, url, blocks, ...]``: each
+worker's longest contiguous cached prefix, in blocks, for every worker that holds block 1.
+Workers with different block sizes need one key list each; they go in one pipeline, so a
+lookup is one round trip whatever the fleet. (Redis Cluster would need a hash tag in ``P``.)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from redis.exceptions import NoScriptError
+
+LOOKUP_LUA = """
+local alive, depth, found = nil, {}, false
+for i = 2, #KEYS do
+  local members = redis.call('SMEMBERS', KEYS[i])
+  local nxt, any = {}, false
+  for _, m in ipairs(members) do
+    if i == 2 or alive[m] then nxt[m] = true; depth[m] = i - 1; any = true end
+  end
+  if not any then break end
+  alive = nxt
+end
+local out = {}
+for m, d in pairs(depth) do
+  local url = redis.call('HGET', KEYS[1], m)
+  if url then out[#out + 1] = url; out[#out + 1] = d end
+end
+return out
+"""
+
+# KEYS = [P:m:<n>, P:workers, P:wurl]; ARGV = [n, block key prefix "P:b:", url or "" to keep
+# the worker registered]. Drops everything the worker holds in one atomic step.
+DROP_LUA = """
+local keys = redis.call('HVALS', KEYS[1])
+for _, k in ipairs(keys) do redis.call('SREM', ARGV[2] .. k, ARGV[1]) end
+redis.call('DEL', KEYS[1])
+if ARGV[3] ~= '' then
+  redis.call('HDEL', KEYS[2], ARGV[3])
+  redis.call('HDEL', KEYS[3], ARGV[1])
+end
+return #keys
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerEntry:
+    """What ``P:workers`` says of one worker."""
+
+    url: str
+    n: int
+    block_size: int
+    hash_algo: str
+
+
+@dataclass(slots=True)
+class BlockDiff:
+    """One event batch's effect on one worker: (engine hash, block key) pairs."""
+
+    added: list[tuple[str, str]]
+    removed: list[tuple[str, str]]
+    cleared: bool = False  # everything the worker held before `added` is gone
+
+
+class Schema:
+    """Key names under one prefix."""
+
+    def __init__(self, prefix: str = "radixserve") -> None:
+        self.prefix = prefix
+        self.workers, self.wurl, self.wnext = (
+            f"{prefix}:workers",
+            f"{prefix}:wurl",
+            f"{prefix}:wnext",
+        )
+        self.block_prefix = f"{prefix}:b:"
+
+    def block(self, key: str) -> str:
+        return self.block_prefix + key
+
+    def owned(self, n: int) -> str:
+        return f"{self.prefix}:m:{n}"
+
+
+class RedisIndexStore:
+    """Reads and writes the schema above through a `redis.asyncio.Redis` client. Every method
+    is one round trip (a pipeline or a script), except `register` for a new worker."""
+
+    def __init__(self, client: Any, prefix: str = "radixserve") -> None:
+        self.client, self.keys = client, Schema(prefix)
+        self._drop = client.register_script(DROP_LUA)
+        self._lookup_sha = hashlib.sha1(LOOKUP_LUA.encode()).hexdigest()
+
+    async def workers(self) -> dict[str, WorkerEntry]:
+        raw = await self.client.hgetall(self.keys.workers)
+        return {_s(url): _entry(_s(url), meta) for url, meta in raw.items()}
+
+    async def register(self, url: str, block_size: int, hash_algo: str) -> WorkerEntry:
+        """The worker's entry, numbering it on first sight; block size and algorithm updated."""
+        old = await self.client.hget(self.keys.workers, url)
+        n = _entry(url, old).n if old else int(await self.client.incr(self.keys.wnext))
+        entry = WorkerEntry(url, n, block_size, hash_algo)
+        meta = json.dumps({"n": n, "block_size": block_size, "hash_algo": hash_algo})
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.hset(self.keys.workers, url, meta).hset(self.keys.wurl, str(n), url)
+            await pipe.execute()
+        return entry
+
+    async def write(self, entry: WorkerEntry, diff: BlockDiff) -> None:
+        """Apply one batch's diff in one MULTI/EXEC."""
+        if diff.cleared:
+            await self.drop_blocks(entry)
+        if not diff.added and not diff.removed:
+            return
+        k, owned, n = self.keys, self.keys.owned(entry.n), entry.n
+        async with self.client.pipeline(transaction=True) as pipe:
+            for eh, key in diff.removed:
+                pipe.srem(k.block(key), n).hdel(owned, eh)
+            for eh, key in diff.added:
+                pipe.sadd(k.block(key), n).hset(owned, eh, key)
+            await pipe.execute()
+
+    async def held(self, entry: WorkerEntry) -> dict[str, str]:
+        """Engine hash -> block key of everything `entry` holds in Redis."""
+        raw = await self.client.hgetall(self.keys.owned(entry.n))
+        return {_s(eh): _s(key) for eh, key in raw.items()}
+
+    async def drop_blocks(self, entry: WorkerEntry, forget: bool = False) -> int:
+        """Remove every block of the worker (and with `forget` its registration too) in one
+        atomic script; returns how many blocks it held."""
+        k = self.keys
+        keys = [k.owned(entry.n), k.workers, k.wurl]
+        args = [entry.n, k.block_prefix, entry.url if forget else ""]
+        return int(await self._drop(keys=keys, args=args))
+
+    async def drop(self, url: str) -> int:
+        """Forget the worker entirely (blocks and registration); returns how many blocks."""
+        raw = await self.client.hget(self.keys.workers, url)
+        return 0 if raw is None else await self.drop_blocks(_entry(url, raw), forget=True)
+
+    async def lookup(self, key_lists: Sequence[Sequence[str]]) -> dict[str, int]:
+        """Longest contiguous prefix, in blocks, per worker URL, for each key list (one per
+        block size in the fleet), in one pipelined round trip."""
+        calls = [[self.keys.wurl, *map(self.keys.block, keys)] for keys in key_lists if keys]
+        if not calls:
+            return {}
+        try:
+            replies = await self._evalsha_all(calls)
+        except NoScriptError:  # a restarted Redis forgot the script: load it once, ask again
+            await self.client.script_load(LOOKUP_LUA)
+            replies = await self._evalsha_all(calls)
+        return {_s(url): int(d) for flat in replies for url, d in _pairs(flat)}
+
+    async def _evalsha_all(self, calls: list[list[str]]) -> list[Any]:
+        # EVALSHA directly, not redis-py's Script in a pipeline: that adds a SCRIPT EXISTS
+        # round trip to every call.
+        if len(calls) == 1:
+            return [await self.client.evalsha(self._lookup_sha, len(calls[0]), *calls[0])]
+        async with self.client.pipeline(transaction=False) as pipe:
+            for keys in calls:
+                pipe.evalsha(self._lookup_sha, len(keys), *keys)
+            return await pipe.execute()
+
+
+def _pairs(flat: Sequence[Any]) -> Iterable[tuple[Any, Any]]:
+    return zip(flat[::2], flat[1::2])
+
+
+def _s(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _entry(url: str, raw: bytes | str) -> WorkerEntry:
+    meta = json.loads(raw)
+    return WorkerEntry(url, int(meta["n"]), int(meta["block_size"]), str(meta["hash_algo"]))
