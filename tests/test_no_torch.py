@@ -19,6 +19,8 @@ PURE = [
     "radixserve.sched.adder",
     "radixserve.router.tree",
     "radixserve.router.policies",
+    "radixserve.router.index",
+    "radixserve.router.event_format",
     "radixserve.router.app",
     "radixserve.router.cli",
     "radixserve.sim.costmodel",
