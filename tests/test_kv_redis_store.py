@@ -33,7 +33,7 @@ def run(redis_server, body):
 
 
 def added(*keys: str) -> BlockDiff:
-    return BlockDiff(added=[(f"e{k}", k) for k in keys], removed=[])
+    return BlockDiff(mapped=[(f"e{k}", k) for k in keys], hold=list(keys))
 
 
 def test_lookup_is_each_workers_longest_contiguous_prefix(redis_server):
@@ -45,7 +45,7 @@ def test_lookup_is_each_workers_longest_contiguous_prefix(redis_server):
         assert await store.lookup([["k1", "k2", "k3", "k4"]]) == {"http://a": 3, "http://b": 2}
         assert await store.lookup([["k9", "k1"]]) == {}  # must start at the first block
         assert await store.lookup([["k1"]]) == {"http://a": 1, "http://b": 1}
-        await store.write(a, BlockDiff(added=[], removed=[("ek2", "k2")]))
+        await store.write(a, BlockDiff(unmapped=["ek2"], release=["k2"]))
         assert await store.lookup([["k1", "k2", "k3"]]) == {"http://a": 1, "http://b": 2}
 
     run(redis_server, body)
@@ -83,7 +83,7 @@ def test_cleared_batch_replaces_what_the_worker_held(redis_server):
     async def body(store, client):
         a = await store.register("http://a", 16, "xxhash64")
         await store.write(a, added("k1", "k2"))
-        await store.write(a, BlockDiff(added=[("ex", "x1")], removed=[], cleared=True))
+        await store.write(a, BlockDiff(mapped=[("ex", "x1")], hold=["x1"], cleared=True))
         assert await store.lookup([["k1"]]) == {}
         assert await store.lookup([["x1"]]) == {"http://a": 1}
         assert await store.held(a) == {"ex": "x1"}
@@ -99,5 +99,8 @@ def test_lookup_survives_a_redis_that_forgot_its_scripts(redis_server):
         await store.write(a, added("k1"))
         await client.script_flush()
         assert await store.lookup([["k1"]]) == {"http://a": 1}
+        await client.script_flush()
+        await store.write(a, BlockDiff(mapped=[("ex", "x1")], hold=["x1"], cleared=True))
+        assert await store.held(a) == {"ex": "x1"}
 
     run(redis_server, body)

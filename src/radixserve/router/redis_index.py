@@ -32,7 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from redis.exceptions import NoScriptError
@@ -82,11 +82,17 @@ class WorkerEntry:
 
 @dataclass(slots=True)
 class BlockDiff:
-    """One event batch's effect on one worker: (engine hash, block key) pairs."""
+    """One event batch's effect on one worker, as Redis writes: its engine-hash map entries
+    set and deleted, and the block keys it starts and stops holding."""
 
-    added: list[tuple[str, str]]
-    removed: list[tuple[str, str]]
-    cleared: bool = False  # everything the worker held before `added` is gone
+    mapped: list[tuple[str, str]] = field(default_factory=list)  # engine hash, block key
+    unmapped: list[str] = field(default_factory=list)  # engine hashes
+    hold: list[str] = field(default_factory=list)  # block keys
+    release: list[str] = field(default_factory=list)
+    cleared: bool = False  # everything the worker held before this diff is gone
+
+    def __bool__(self) -> bool:
+        return bool(self.mapped or self.unmapped or self.hold or self.release or self.cleared)
 
 
 class Schema:
@@ -134,17 +140,30 @@ class RedisIndexStore:
 
     async def write(self, entry: WorkerEntry, diff: BlockDiff) -> None:
         """Apply one batch's diff in one MULTI/EXEC."""
-        if diff.cleared:
-            await self.drop_blocks(entry)
-        if not diff.added and not diff.removed:
-            return
         k, owned, n = self.keys, self.keys.owned(entry.n), entry.n
+        if diff.cleared:  # a script missing inside MULTI would fail alone, the rest applied
+            await self.client.script_load(DROP_LUA)
         async with self.client.pipeline(transaction=True) as pipe:
-            for eh, key in diff.removed:
-                pipe.srem(k.block(key), n).hdel(owned, eh)
-            for eh, key in diff.added:
-                pipe.sadd(k.block(key), n).hset(owned, eh, key)
+            if diff.cleared:
+                pipe.evalsha(self._drop.sha, 3, owned, k.workers, k.wurl, n, k.block_prefix, "")
+            for key in diff.release:
+                pipe.srem(k.block(key), n)
+            if diff.unmapped:
+                pipe.hdel(owned, *diff.unmapped)
+            for key in diff.hold:
+                pipe.sadd(k.block(key), n)
+            if diff.mapped:
+                pipe.hset(owned, mapping=dict(diff.mapped))
             await pipe.execute()
+
+    async def clear_prefix(self) -> int:
+        """Delete every key under the prefix (the indexer owns it); returns how many."""
+        n = 0
+        async for batch in _batched(
+            self.client.scan_iter(match=f"{self.keys.prefix}:*", count=1000)
+        ):
+            n += await self.client.unlink(*batch)
+        return n
 
     async def held(self, entry: WorkerEntry) -> dict[str, str]:
         """Engine hash -> block key of everything `entry` holds in Redis."""
@@ -186,6 +205,17 @@ class RedisIndexStore:
             for keys in calls:
                 pipe.evalsha(self._lookup_sha, len(keys), *keys)
             return await pipe.execute()
+
+
+async def _batched(keys: Any, size: int = 1000) -> Any:
+    batch = []
+    async for key in keys:
+        batch.append(key)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
 
 
 def _pairs(flat: Sequence[Any]) -> Iterable[tuple[Any, Any]]:
