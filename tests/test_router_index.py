@@ -117,3 +117,13 @@ def test_both_encodings_parse_and_extra_fields_are_ignored():
 def test_malformed_payloads_raise_format_errors(payload):
     with pytest.raises(EventFormatError):
         parse_payload(payload)
+
+
+def test_per_block_extra_keys_carry_the_salt_on_the_first_block():
+    amap = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+            "token_ids": PROMPT[:4], "block_size": BS, "lora_id": None, "medium": "GPU",
+            "lora_name": None, "extra_keys": [["tenant-a"]]}  # fmt: skip
+    batch = parse_payload(msgpack.packb([0.0, [amap]]))
+    assert batch.events[0].namespace == namespace_string(None, "tenant-a")
+    amap |= {"block_hashes": [1, 2], "token_ids": PROMPT[:8], "extra_keys": [["t"], None]}
+    assert parse_payload(msgpack.packb([0.0, [amap]])).events[0].namespace == "\x1ft"

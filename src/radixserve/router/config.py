@@ -58,6 +58,10 @@ class RouterConfig:
         _POLICY.max_tree_size,
         "cache_aware: tree units kept per worker (8 prompt bytes; a node costs 60)",
     )
+    cache_aware_scheduling_min_tokens: int = _f(
+        _POLICY.cache_aware_scheduling_min_tokens,
+        "kv_aware: prompts shorter than this (tokens) are placed by load alone",
+    )
     api_key: str | None = _f(None, "bearer key required on inference endpoints")
     admin_api_key: str | None = _f(
         None, "bearer key required on worker management (default: --api-key)"

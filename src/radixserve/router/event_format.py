@@ -82,11 +82,18 @@ def namespace_string(lora_name: str | None = None, salt: str | None = None) -> s
 
 def event_namespace(lora_name: Any, extra_keys: Any, n_blocks: int = 1) -> str:
     """Fold an event's namespace fields into one string. vLLM sends extra_keys per block (its
-    cache_salt sits on the first block's keys): a list with one entry per block is read by its
-    first entry; anything else is taken whole."""
-    if isinstance(extra_keys, list | tuple) and n_blocks > 1 and len(extra_keys) == n_blocks:
+    cache_salt sits on the first block's keys, later blocks inherit it through the parent
+    link): a list of one entry (a list or None) per block is read by its first entry; anything
+    else is taken whole."""
+    if _per_block(extra_keys, n_blocks):
         extra_keys = extra_keys[0]
     return namespace_string(lora_name if isinstance(lora_name, str) else None, _flat(extra_keys))
+
+
+def _per_block(keys: Any, n_blocks: int) -> bool:
+    if not isinstance(keys, list | tuple) or len(keys) != n_blocks or not keys:
+        return False
+    return all(k is None or isinstance(k, list | tuple) for k in keys)
 
 
 def _flat(keys: Any) -> str | None:

@@ -12,6 +12,7 @@ import random
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
+from radixserve.router.event_format import namespace_string
 from radixserve.router.keys import Namespace, ids_key, namespace, text_key, units
 from radixserve.router.shares import DispatchShares
 from radixserve.router.tree import NODE_UNITS, MultiTenantTree
@@ -31,6 +32,8 @@ class CachePolicyConfig:
     max_tree_size: int = 2**20
     # Not in sglang-router: see CacheAwarePolicy (step 3); float("inf") turns it off.
     share_slack: float = 0.05
+    # kv_aware (kv_aware.py): prompts shorter than this are placed by load alone (Llumnix's flag).
+    cache_aware_scheduling_min_tokens: int = 16
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.cache_threshold <= 1.0:
@@ -39,6 +42,8 @@ class CachePolicyConfig:
             raise ValueError("balance_abs_threshold must be >= 0, balance_rel_threshold >= 1")
         if self.eviction_interval_secs < 0 or self.max_tree_size < 0 or self.share_slack < 0:
             raise ValueError("eviction_interval_secs, max_tree_size, share_slack must be >= 0")
+        if self.cache_aware_scheduling_min_tokens < 0:
+            raise ValueError("cache_aware_scheduling_min_tokens must be >= 0")
 
     @classmethod
     def taken_from(cls, settings: object) -> CachePolicyConfig:
@@ -50,20 +55,27 @@ class CachePolicyConfig:
 class WorkerView:
     """What a policy may know of a worker: its id, in-flight requests, health, and the size
     of its in-flight prompts (``queued_tokens``, least_load's tie-break: key units in the
-    router, which sees text, tokens in the simulator; only compared between workers)."""
+    router, which sees text, tokens in the simulator; only compared between workers), and the
+    prefill tokens it reported waiting (``prefill_tokens``, None: no report) at ``reported_at``."""
 
     id: Hashable
     load: int = 0
     healthy: bool = True
     queued_tokens: int = 0
+    prefill_tokens: int | None = None
+    reported_at: float = float("-inf")
 
 
 @dataclass(slots=True, frozen=True)
 class RequestView:
-    """What a policy may know of a request: its packed prefix key and its cache namespace."""
+    """What a policy may know of a request: its packed prefix key and its cache namespace;
+    for kv_aware also its token ids as the workers tokenize it and its KV-event namespace
+    (event_format.namespace_string), when the router has them."""
 
     key: bytes
     namespace: Namespace = ()
+    token_ids: Sequence[int] | None = None
+    kv_namespace: str = ""
 
     @classmethod
     def from_prompt(
@@ -76,8 +88,10 @@ class RequestView:
     ) -> RequestView:
         """Key on `input_ids` when the request has them (what the engine caches), else the text."""
         if input_ids is not None:
-            return cls(ids_key(input_ids), namespace("ids", model, lora, cache_salt))
-        return cls(text_key(text or ""), namespace("text", model, lora, cache_salt))
+            ns = namespace("ids", model, lora, cache_salt)
+            return cls(ids_key(input_ids), ns, input_ids, namespace_string(lora, cache_salt))
+        ns, kv_ns = namespace("text", model, lora, cache_salt), namespace_string(lora, cache_salt)
+        return cls(text_key(text or ""), ns, None, kv_ns)
 
     @classmethod
     def from_payload(cls, payload: dict) -> RequestView:
@@ -405,3 +419,7 @@ class CacheAwarePolicy(RouterPolicy):
         ceiling = mean + 2.0 * math.sqrt(mean) + 1.0
         calm = [i for i, a in zip(eligible, avg) if a <= ceiling]
         return min(calm, key=lambda i: (self.tree.size(workers[i].id), workers[i].load))
+
+
+# kv_aware lives in its own module and registers itself here, so that `--policy` lists it.
+from radixserve.router import kv_aware as _kv_aware  # noqa: E402, F401

@@ -66,6 +66,9 @@ class ClusterConfig:
     share_slack: float = _f(
         _POLICY.share_slack, "cache_aware: share above the mean past which hits spill (inf: never)"
     )
+    cache_aware_scheduling_min_tokens: int = _f(
+        _POLICY.cache_aware_scheduling_min_tokens, "kv_aware: shorter prompts go by load alone"
+    )
 
     def __post_init__(self) -> None:
         if self.engines < 1:

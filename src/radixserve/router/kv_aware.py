@@ -1,0 +1,180 @@
+"""The kv_aware policy: route on what the workers' KV caches really hold (a PrefixIndex fed by
+their KV events) and on the prefill work each worker already has, both in tokens.
+Registered as `--policy kv_aware`; pure (no I/O, no clock)."""
+
+# ----- kv_aware -----------------------------------------------------------------------------
+#
+# Llumnix's dispatch rule on precise prefix knowledge. For a request of P prompt tokens, each
+# healthy worker w that is not overloaded is scored
+#
+#     score(w) = (P - cached(w)) + pending(w)
+#
+# cached(w)   the leading prompt tokens w holds: the longest contiguous run of the prompt's
+#             blocks in the index (index.py; block size learned from w's events). A worker the
+#             index does not know (it publishes no events, or its stream broke and is being
+#             resynchronised) is scored from an approximate tree of what the router sent it,
+#             as cache_aware keeps one, so mixed fleets work.
+# pending(w)  prefill tokens already sent to w and not yet computed: the uncached tokens of
+#             each dispatch, counted at dispatch time. When the worker reports its own waiting
+#             prefill tokens (WorkerView.prefill_tokens, stamped reported_at), the report
+#             replaces every dispatch made up to that moment; later dispatches add to it. A
+#             burst therefore spreads at once instead of piling onto one worker until a poll.
+#
+# Both terms are tokens of prefill work, so cache affinity and load add up with no weight to
+# tune: a hit is worth exactly the prefill it saves. The smallest score wins; ties go to the
+# worker with fewer requests in flight (decode load), then to the lower index.
+#
+# Guards:
+#   - Prompts shorter than cache_aware_scheduling_min_tokens (Llumnix's flag) carry no prefix
+#     worth chasing: they go to the least loaded worker (requests, then pending prefill).
+#   - A worker overloaded in sglang-router's sense (load - floor > balance_abs_threshold AND
+#     load > floor * balance_rel_threshold, in requests) is skipped: prefill tokens alone do not
+#     see decode pressure.
+#   - A request without token ids (the router could not tokenize it) is scored from the
+#     approximate tree alone, with its key units standing in for tokens.
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+from radixserve.router.index import InMemoryIndex, PrefixIndex, block_keys
+from radixserve.router.keys import units
+from radixserve.router.policies import (
+    CachePolicyConfig,
+    RequestView,
+    RouterPolicy,
+    WorkerView,
+    healthy_indices,
+    register,
+)
+from radixserve.router.tree import NODE_UNITS, MultiTenantTree
+
+_Record = tuple[float, int]  # (dispatched at, uncached tokens)
+
+
+@register("kv_aware")
+class KvAwarePolicy(RouterPolicy):
+    """Least prefill work, from precise KV events; the algorithm is explained above."""
+
+    def __init__(
+        self,
+        config: CachePolicyConfig | None = None,
+        seed: int = 0,
+        index: PrefixIndex | None = None,
+    ) -> None:
+        super().__init__(config, seed)
+        self.index = index if index is not None else InMemoryIndex()
+        self.tree = MultiTenantTree(node_units=NODE_UNITS)  # the fallback's approximate view
+        self._pending: dict[Hashable, dict[int, _Record]] = {}
+        self._matches: tuple[RequestView | None, dict[Hashable, int]] = (None, {})
+        self.matched_tokens = self.prompt_tokens = 0
+
+    # -- the decision ---------------------------------------------------------------------------
+    def select(self, workers: Sequence[WorkerView], request: RequestView, now: float) -> int:
+        healthy = healthy_indices(workers)
+        floor = min(workers[i].load for i in healthy)
+        eligible = [i for i in healthy if self._within_balance(workers[i].load, floor)]
+        for i in eligible:
+            self._reconcile(workers[i])
+        size = prompt_size(request)
+        if size < self.config.cache_aware_scheduling_min_tokens:
+            return min(eligible, key=lambda i: (workers[i].load, self.pending(workers[i])))
+        cached = self._cached(workers, eligible, request, size)
+        self._matches = (request, cached)
+
+        def score(i: int) -> tuple[int, int]:
+            w = workers[i]
+            return (size - cached.get(w.id, 0) + self.pending(w), w.load)
+
+        return min(eligible, key=score)
+
+    def pending(self, worker: WorkerView) -> int:
+        """Prefill tokens `worker` has yet to compute, as far as the router knows."""
+        mine = sum(n for _, n in self._pending.get(worker.id, {}).values())
+        return mine + (worker.prefill_tokens or 0)
+
+    def cached_tokens(
+        self, workers: Sequence[WorkerView], request: RequestView
+    ) -> dict[Hashable, int]:
+        """Leading prompt tokens each worker holds (index, or the approximate tree)."""
+        return self._cached(workers, range(len(workers)), request, prompt_size(request))
+
+    # -- hooks ----------------------------------------------------------------------------------
+    def on_dispatch(self, worker_id: Hashable, request: RequestView, now: float) -> None:
+        seen, cached = self._matches
+        size = prompt_size(request)
+        if seen is not request:  # dispatched without select (a retry's fallback): look again
+            cached = self._cached([WorkerView(worker_id)], [0], request, size)
+        hit = min(cached.get(worker_id, 0), size)
+        self._pending.setdefault(worker_id, {})[id(request)] = (now, size - hit)
+        self.matched_tokens += hit
+        self.prompt_tokens += size
+        if request.key:
+            self.tree.insert(request.key, worker_id, now, request.namespace)
+            cap = self.config.max_tree_size
+            if self.config.eviction_interval_secs > 0 and self.tree.cost(worker_id) > cap:
+                self.tree.evict_tenant_by_cost(cap - cap // 8)
+
+    def on_complete(self, worker_id: Hashable, request: RequestView, now: float) -> None:
+        records = self._pending.get(worker_id)
+        if records is not None:
+            records.pop(id(request), None)
+
+    def on_worker_removed(self, worker_id: Hashable) -> None:
+        self.index.drop_worker(worker_id)
+        self.tree.remove_tenant(worker_id)
+        self._pending.pop(worker_id, None)
+
+    def expected_hit_rate(self) -> float:
+        """Share of dispatched prompt tokens the chosen worker held."""
+        return self.matched_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def tree_size(self) -> dict[Hashable, int]:
+        return self.tree.sizes()
+
+    # -- helpers --------------------------------------------------------------------------------
+    def _within_balance(self, load: int, floor: int) -> bool:
+        cfg = self.config
+        return not (
+            load - floor > cfg.balance_abs_threshold and load > floor * cfg.balance_rel_threshold
+        )
+
+    def _reconcile(self, worker: WorkerView) -> None:
+        """Drop dispatches the worker's own report already covers."""
+        records = self._pending.get(worker.id)
+        if records and worker.prefill_tokens is not None:
+            stale = [k for k, (t, _) in records.items() if t <= worker.reported_at]
+            for k in stale:
+                del records[k]
+
+    def _cached(
+        self,
+        workers: Sequence[WorkerView],
+        among: Sequence[int],
+        request: RequestView,
+        size: int,
+    ) -> dict[Hashable, int]:
+        ids = [workers[i].id for i in among]
+        out: dict[Hashable, int] = {}
+        tokens = request.token_ids
+        if tokens is not None and len(tokens):
+            memo: dict[int, list[int]] = {}
+
+            def keys_for(block_size: int) -> list[int]:
+                if block_size not in memo:
+                    memo[block_size] = block_keys(tokens, block_size, request.kv_namespace)
+                return memo[block_size]
+
+            out = self.index.prefix_tokens(ids, keys_for)
+        unknown = [w for w in ids if w not in out]
+        total = units(request.key)
+        if unknown and total:
+            matches = self.tree.tenant_matches(request.key, request.namespace)
+            for w in unknown:
+                out[w] = matches.get(w, (0, 0, 0.0))[0] * size // total
+        return out
+
+
+def prompt_size(request: RequestView) -> int:
+    """Prompt length in tokens (key units when the router has no token ids)."""
+    return len(request.token_ids) if request.token_ids is not None else units(request.key)

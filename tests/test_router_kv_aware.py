@@ -1,0 +1,141 @@
+"""kv_aware as a pure policy: in-memory workers, an in-memory index fed with events."""
+
+from __future__ import annotations
+
+from radixserve.router.event_format import BlockRemoved, BlockStored, namespace_string
+from radixserve.router.kv_aware import KvAwarePolicy
+from radixserve.router.policies import CachePolicyConfig, RequestView, WorkerView, create_policy
+
+BS = 16
+SHARED = list(range(1000, 1000 + 8 * BS))  # 8 blocks
+
+
+def view(ids, salt=""):
+    return RequestView.from_prompt(input_ids=ids, cache_salt=salt)
+
+
+def hold(policy, worker, ids, ns="", tag=0):
+    """`worker` announces every whole block of `ids` (engine hashes: (tag, i))."""
+    n = len(ids) // BS
+    hashes = tuple((tag << 20) + i for i in range(n))
+    policy.index.apply(worker, [BlockStored(hashes, None, tuple(ids[: n * BS]), BS, ns)])
+    return hashes
+
+
+def fleet(n=3, **kw):
+    return [WorkerView(f"w{i}", **kw) for i in range(n)]
+
+
+def test_registered_and_built_by_name():
+    assert isinstance(create_policy("kv_aware"), KvAwarePolicy)
+
+
+def test_goes_to_the_worker_that_holds_the_prefix():
+    policy = KvAwarePolicy()
+    hold(policy, "w0", SHARED)
+    hold(policy, "w2", SHARED[: 2 * BS], tag=2)
+    assert policy.select(fleet(), view(SHARED + [7] * 40), 0.0) == 0
+    assert policy.cached_tokens(fleet(), view(SHARED + [7] * 40)) == {
+        "w0": 8 * BS,
+        "w1": 0,
+        "w2": 2 * BS,
+    }
+
+
+def test_eviction_moves_the_expectation():
+    policy = KvAwarePolicy()
+    hashes = hold(policy, "w1", SHARED)
+    assert policy.select(fleet(), view(SHARED), 0.0) == 1
+    policy.index.apply("w1", [BlockRemoved(hashes[:1])])  # the first block left: no hit at all
+    assert policy.cached_tokens(fleet(), view(SHARED))["w1"] == 0
+
+
+def test_pending_prefill_spreads_a_burst_of_new_prompts():
+    policy = KvAwarePolicy()
+    workers, picks = fleet(), []
+    for k in range(6):
+        req = view([k * 10_000 + t for t in range(4 * BS)])
+        i = policy.select(workers, req, 0.0)
+        policy.on_dispatch(workers[i].id, req, 0.0)
+        picks.append(i)
+    assert sorted(picks) == [0, 0, 1, 1, 2, 2]
+
+
+def test_a_hit_is_worth_exactly_the_prefill_it_saves():
+    policy = KvAwarePolicy()
+    hold(policy, "w0", SHARED)
+    # w0 already has 7 blocks of someone else's prefill queued: 112 tokens, versus the 128 a
+    # miss costs elsewhere, so the hit still wins; at 9 blocks queued it no longer does.
+    workers = fleet(2)
+    busy = view([5] * 7 * BS)
+    policy.on_dispatch("w0", busy, 0.0)
+    assert policy.select(workers, view(SHARED), 0.0) == 0
+    policy.on_complete("w0", busy, 0.0)
+    policy.on_dispatch("w0", view([6] * 9 * BS), 0.0)
+    assert policy.select(workers, view(SHARED), 0.0) == 1
+
+
+def test_worker_reports_replace_dispatches_up_to_the_report():
+    policy = KvAwarePolicy()
+    req = view([3] * 10 * BS)
+    policy.on_dispatch("w0", req, 1.0)
+    before = WorkerView("w0", prefill_tokens=0, reported_at=0.5)
+    after = WorkerView("w0", prefill_tokens=0, reported_at=2.0)
+    policy.select([before], view([1] * BS), 1.5)
+    assert policy.pending(before) == 10 * BS  # the report predates the dispatch
+    policy.select([after], view([1] * BS), 2.5)
+    assert policy.pending(after) == 0  # the worker computed it (or counts it itself)
+
+
+def test_ties_go_to_fewer_running_requests():
+    policy = KvAwarePolicy()
+    workers = [WorkerView("w0", load=3), WorkerView("w1", load=1), WorkerView("w2", load=2)]
+    assert policy.select(workers, view(SHARED), 0.0) == 1
+
+
+def test_short_prompts_are_placed_by_load_alone():
+    policy = KvAwarePolicy(CachePolicyConfig(cache_aware_scheduling_min_tokens=64))
+    hold(policy, "w0", SHARED)
+    workers = [WorkerView("w0", load=2), WorkerView("w1", load=0)]
+    assert policy.select(workers, view(SHARED[: 2 * BS]), 0.0) == 1
+    assert policy.select(workers, view(SHARED), 0.0) == 0
+
+
+def test_namespaces_never_hit_each_other():
+    policy = KvAwarePolicy()
+    hold(policy, "w2", SHARED, ns=namespace_string(None, "tenant-a"))
+    assert policy.cached_tokens(fleet(), view(SHARED))["w2"] == 0
+    assert policy.cached_tokens(fleet(), view(SHARED, salt="tenant-a"))["w2"] == 8 * BS
+
+
+def test_workers_without_events_are_scored_from_the_approximate_tree():
+    policy = KvAwarePolicy()
+    hold(policy, "w0", [9] * BS)  # w0 publishes (holds something else); w1, w2 do not
+    first = view(SHARED)
+    policy.on_dispatch("w2", first, 0.0)
+    policy.on_complete("w2", first, 0.0)
+    got = policy.cached_tokens(fleet(), view(SHARED))
+    assert got == {"w0": 0, "w1": 0, "w2": 8 * BS}
+    assert policy.select(fleet(), view(SHARED), 1.0) == 2
+
+
+def test_overloaded_holder_is_skipped_and_removal_forgets():
+    policy = KvAwarePolicy(CachePolicyConfig(balance_abs_threshold=4, balance_rel_threshold=1.5))
+    hold(policy, "w0", SHARED)
+    workers = [WorkerView("w0", load=10), WorkerView("w1", load=1)]
+    assert policy.select(workers, view(SHARED), 0.0) == 1
+    policy.on_worker_removed("w0")
+    assert policy.index.blocks() == {}
+
+
+def test_unhealthy_holder_is_not_picked_and_hit_rate_is_reported():
+    policy = KvAwarePolicy()
+    hold(policy, "w0", SHARED)
+    workers = [WorkerView("w0", healthy=False), WorkerView("w1")]
+    req = view(SHARED)
+    assert policy.select(workers, req, 0.0) == 1
+    policy.on_dispatch("w1", req, 0.0)
+    req2 = view(SHARED)
+    assert policy.select(fleet(1), req2, 0.0) == 0
+    policy.on_dispatch("w0", req2, 0.0)
+    assert policy.expected_hit_rate() == 0.5
