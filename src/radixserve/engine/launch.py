@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from radixserve.engine.kv_events import KVEventsConfig
 from radixserve.engine.procutil import Endpoints
 from radixserve.engine.tokenizer_spec import TokenizerSpec
 
@@ -24,6 +25,11 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     sched: SchedulerConfig = field(default_factory=SchedulerConfig)
     sim: str | None = None  # a cost-model preset: simulated runner, real time
+    kv_events: KVEventsConfig | None = None  # publish KV-cache events (engine/kv_events.py)
+
+    def __post_init__(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.check_page_size(self.cache.page_size)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -34,9 +40,11 @@ class EngineConfig:
             names = {f.name for f in dataclasses.fields(part_cls)}
             parts[name] = part_cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
         sim = kwargs.pop("sim", None)
+        events = kwargs.pop("kv_events_config", None)
         if kwargs:
             raise TypeError(f"unknown engine options: {', '.join(sorted(kwargs))}")
-        return cls(sim=sim, **parts)
+        kv_events = KVEventsConfig.from_json(events) if events is not None else None
+        return cls(sim=sim, kv_events=kv_events, **parts)
 
     def tokenizer_spec(self) -> TokenizerSpec:
         if self.sim is not None:

@@ -14,6 +14,7 @@ from typing import Any
 
 import zmq
 
+from radixserve.engine.kv_events import KVEventPlane
 from radixserve.engine.messages import (
     AbortReq,
     CloseStream,
@@ -40,6 +41,7 @@ class Worker:
     pull: zmq.Socket
     push: zmq.Socket
     realtime: bool
+    events: KVEventPlane | None = None  # KV-cache events of the tree, published per step
     live: dict[str, Req] = field(default_factory=dict)  # requests whose tokens go out
 
     def handle(self, msg: Any) -> None:
@@ -71,9 +73,14 @@ class Worker:
 
     def _control(self, msg: ControlReq) -> Any:
         if msg.op == "flush_cache":
-            return self.scheduler.flush_cache()
+            flushed = self.scheduler.flush_cache()
+            if flushed and self.events is not None:
+                self.events.cleared()
+            return flushed
         if msg.op == "stats":
             return self.scheduler.stats()
+        if msg.op == "kv_events_snapshot":
+            return self.events.snapshot() if self.events is not None else None
         return {"error": f"unknown control op {msg.op!r}"}
 
     def drain(self, block_ms: int | None) -> None:
@@ -118,6 +125,8 @@ class Worker:
         while True:
             self.drain(None if busy else 1000)
             busy = self.step()
+            if self.events is not None:  # what the tree did this turn, as one batch
+                self.events.flush()
 
 
 def run_scheduler(engine_config: Any, endpoints: Endpoints, ready: Any, parent_pid: int) -> None:
@@ -133,5 +142,20 @@ def run_scheduler(engine_config: Any, endpoints: Endpoints, ready: Any, parent_p
     except Exception as e:  # the parent shows this to the user and exits
         ready.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         return
+    try:
+        events = _kv_events(engine_config, scheduler)
+    except (zmq.ZMQError, ValueError) as e:  # an address in use, say: one line for the user
+        ready.send(("error", f"--kv-events-config: {e}"))
+        return
+    if events is not None:
+        info["kv_events"] = events.info()
     ready.send(("ready", {"pid": os.getpid(), **info}))
-    Worker(scheduler, runner, pull, push, engine_config.sim is not None).loop()
+    Worker(scheduler, runner, pull, push, engine_config.sim is not None, events).loop()
+
+
+def _kv_events(engine_config: Any, scheduler: Scheduler) -> KVEventPlane | None:
+    """The tracker on the scheduler's tree and the publisher (its sockets bound here, so that an
+    address in use fails the start)."""
+    if engine_config.kv_events is None or not engine_config.kv_events.enable_kv_cache_events:
+        return None
+    return KVEventPlane(engine_config.kv_events, scheduler.cache)

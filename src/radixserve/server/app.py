@@ -20,6 +20,7 @@ from radixserve.engine.tokenizer_manager import GenerateInput, RequestError
 from radixserve.sched.request import SamplingParams
 from radixserve.server.config import ServerConfig
 from radixserve.server.errors import ApiError, install_handlers
+from radixserve.server.kv_events_routes import kv_events_routes
 from radixserve.server.metrics import CONTENT_TYPE, stats_dict
 from radixserve.server.protocol import add_body_schemas
 from radixserve.server.responses import JSONBody
@@ -48,6 +49,7 @@ def create_app(config: ServerConfig, engine: EngineProcesses) -> FastAPI:
     app.include_router(inference_routes(state))
     app.include_router(_open_routes(state))
     app.include_router(_admin_routes(state))
+    app.include_router(kv_events_routes(state))
     _use_body_schemas(app)
     return app
 
@@ -136,6 +138,7 @@ def _admin_routes(state: ServerState) -> APIRouter:
             "server": state.config.public(), "model": dataclasses.asdict(ec.model),
             "cache": dataclasses.asdict(ec.cache), "scheduler": dataclasses.asdict(ec.sched),
             "engine": state.engine.info, "engine_alive": state.dead() is None,
+            "kv_events": state.engine.info.get("kv_events"),
             "stats": await _stats(state),
         }  # fmt: skip
 

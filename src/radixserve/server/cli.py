@@ -41,6 +41,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     add_dataclass_args(parser, ModelConfig, "model")
     add_dataclass_args(parser, CacheConfig, "cache")
     add_dataclass_args(parser, SchedulerConfig, "scheduler")
+    parser.add_argument_group("kv events").add_argument(
+        "--kv-events-config", default=None, metavar="JSON",
+        help="publish KV-cache events as vLLM does, e.g. '{\"endpoint\": \"tcp://*:5557\", "
+        "\"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"\", \"block_size\": 16}' "
+        "(vLLM's and SGLang's keys, plus block_size, hash_algo, hash_seed)",
+    )  # fmt: skip
     parser.set_defaults(run=run)
     return parser
 
@@ -48,12 +54,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def run(args: argparse.Namespace) -> int:
     """Bind the address first (a port in use fails at once, not after loading the model), then
     launch the engine, then listen: the server is ready once it accepts connections."""
+    from radixserve.engine.kv_events import KVEventsConfig
     from radixserve.engine.launch import EngineConfig
 
     try:
         server = from_args(ServerConfig, args)
+        events = getattr(args, "kv_events_config", None)
         engine_config = EngineConfig(from_args(ModelConfig, args), from_args(CacheConfig, args),
-                                     from_args(SchedulerConfig, args), sim=server.sim)  # fmt: skip
+                                     from_args(SchedulerConfig, args), sim=server.sim,
+                                     kv_events=None if events is None
+                                     else KVEventsConfig.from_json(events))  # fmt: skip
     except ValueError as e:
         print(f"radixserve serve: {e}", file=sys.stderr)
         return 2
