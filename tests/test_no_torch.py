@@ -11,6 +11,7 @@ PURE = [
     "radixserve.cache.radix",
     "radixserve.cache.pool",
     "radixserve.cache.hashing",
+    "radixserve.cache.block_events",
     "radixserve.config",
     "radixserve.sched.request",
     "radixserve.sched.batch",
@@ -21,6 +22,8 @@ PURE = [
     "radixserve.router.policies",
     "radixserve.router.index",
     "radixserve.router.event_format",
+    "radixserve.router.kv_aware",
+    "radixserve.router.events",
     "radixserve.router.app",
     "radixserve.router.cli",
     "radixserve.sim.costmodel",
@@ -33,9 +36,11 @@ PURE = [
     # the engine and server plumbing too: `radixserve serve --sim` runs without torch
     "radixserve.engine.engine",
     "radixserve.engine.scheduler_proc",
+    "radixserve.engine.kv_events",
     "radixserve.engine.detokenizer",
     "radixserve.server.app",
     "radixserve.server.cli",
+    "radixserve.server.kv_events_routes",
 ]
 # the API process tokenizes with these (it needs the tokenizers package, not torch)
 MODEL_TORCH_FREE = [
