@@ -17,6 +17,7 @@ SUBCOMMANDS: dict[str, str] = {
     "route": "radixserve.router.cli",
     "sim": "radixserve.sim.cli",
     "bench": "radixserve.bench.cli",
+    "kv-indexer": "radixserve.router.indexer_cli",
 }
 
 

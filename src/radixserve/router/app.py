@@ -22,6 +22,7 @@ import httptools
 
 from radixserve.router.config import RouterConfig
 from radixserve.router.keys import units
+from radixserve.router.kvs_reader import open_kv_index
 from radixserve.router.policies import NoWorkerAvailable, RequestView, create_policy
 from radixserve.router.workers import (
     Headers,
@@ -188,7 +189,9 @@ class Router:
 
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
-        self.policy = create_policy(config.policy, config.policy_config())
+        self.kvs, self.policy = open_kv_index(config, self._worker_id)
+        if self.kvs is None:
+            self.policy = create_policy(config.policy, config.policy_config())
         self.registry = WorkerRegistry(config.health_config(), self.policy.on_worker_removed)
         self.retries, self.failed = 0, {502: 0, 503: 0}
         self.decisions = [0] * (len(BUCKETS) + 1)
@@ -230,6 +233,12 @@ class Router:
         if self._ticker is not None:
             self._ticker.cancel()
         await self.registry.stop()
+        if self.kvs is not None:
+            await self.kvs.close()
+
+    def _worker_id(self, url: str) -> str | None:
+        worker = self.registry.by_url(url)
+        return None if worker is None else worker.id
 
     async def _tick_loop(self) -> None:
         while True:
@@ -289,6 +298,8 @@ class Router:
             if attempt:
                 self.retries += 1
                 await asyncio.sleep(self._backoff(attempt))
+            if self.kvs is not None:  # the shared index's answer, read by select just below
+                await self.kvs.prepare(view.token_ids, view.kv_namespace)
             worker = self.pick(view, tried)
             if worker is None:
                 break
@@ -459,6 +470,8 @@ class Router:
         lines = [line for family in families for line in _family(*family)]
         failed = {str(code): n for code, n in self.failed.items()}
         lines += _family("failed_requests_total", "counter", failed, label="code")
+        if self.kvs is not None:
+            lines += self.kvs.metric_lines(PREFIX)
         return lines + _histogram(f"{PREFIX}decision_seconds", self.decisions, self.decision_sum)
 
 

@@ -67,7 +67,7 @@ class RedisIndexWriter(PrefixIndex):
             if before is not None:
                 self._forget(worker)
         elif after is not before:  # first seen, or cleared, or reset by a new block size
-            self._queue(worker, _full_diff(after, cleared=True))
+            self._queue_full(worker, after)
         else:
             self._queue(worker, _diff(after, old, touched))
 
@@ -75,6 +75,20 @@ class RedisIndexWriter(PrefixIndex):
         """Unknown from now on: nothing of it stays in Redis (blocks nor registration)."""
         self.mirror.drop_worker(worker)
         self._forget(worker)
+
+    def replace(self, worker: WorkerId, events: Iterable[Event]) -> None:
+        """Everything `worker` holds is `events` (a snapshot): one transaction swaps it in."""
+        self.mirror.drop_worker(worker)
+        self.mirror.apply(worker, events)
+        state = self.mirror.state(worker)
+        if state is None:
+            self._forget(worker)
+        else:
+            self._queue_full(worker, state)
+
+    def _queue_full(self, worker: WorkerId, state: object) -> None:
+        for diff in _chunks(_full_diff(state, cleared=True)):
+            self._queue(worker, diff)
 
     def _forget(self, worker: WorkerId) -> None:
         self.ops.append(_Op(str(worker), None))

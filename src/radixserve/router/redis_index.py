@@ -196,14 +196,31 @@ class RedisIndexStore:
             replies = await self._evalsha_all(calls)
         return {_s(url): int(d) for flat in replies for url, d in _pairs(flat)}
 
-    async def _evalsha_all(self, calls: list[list[str]]) -> list[Any]:
+    async def lookup_in(
+        self, key_lists: Sequence[Sequence[str]]
+    ) -> tuple[dict[str, int], dict[str, WorkerEntry]]:
+        """`lookup` and the worker table together, in one pipelined round trip: a router
+        learns new workers and block sizes from the same answer."""
+        calls = [[self.keys.wurl, *map(self.keys.block, keys)] for keys in key_lists if keys]
+        try:
+            replies = await self._evalsha_all(calls, with_table=True)
+        except NoScriptError:
+            await self.client.script_load(LOOKUP_LUA)
+            replies = await self._evalsha_all(calls, with_table=True)
+        table = {_s(url): _entry(_s(url), meta) for url, meta in replies[-1].items()}
+        depths = {_s(url): int(d) for flat in replies[:-1] for url, d in _pairs(flat)}
+        return depths, table
+
+    async def _evalsha_all(self, calls: list[list[str]], with_table: bool = False) -> list[Any]:
         # EVALSHA directly, not redis-py's Script in a pipeline: that adds a SCRIPT EXISTS
         # round trip to every call.
-        if len(calls) == 1:
+        if len(calls) == 1 and not with_table:
             return [await self.client.evalsha(self._lookup_sha, len(calls[0]), *calls[0])]
         async with self.client.pipeline(transaction=False) as pipe:
             for keys in calls:
                 pipe.evalsha(self._lookup_sha, len(keys), *keys)
+            if with_table:
+                pipe.hgetall(self.keys.workers)
             return await pipe.execute()
 
 
