@@ -25,7 +25,9 @@ from test_router_fleet import Proc, RouterProc, WorkerProc  # noqa: E402
 
 BLOCK = 16
 EVENTS = json.dumps({"endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*",
-                     "block_size": BLOCK, "buffer_steps": 10000})  # fmt: skip
+                     "block_size": BLOCK, "buffer_steps": 4})  # fmt: skip
+# a replay buffer too short to rebuild a worker from: what the indexer knows of a worker it
+# (re)joins comes from the worker's snapshot
 FAST = ("--health-check-interval-secs", "0.2", "--retry-backoff-ms", "5")
 GATE = ("--kvs-retry-times", "2", "--kvs-retry-interval-ms", "20",
         "--kvs-metadata-service-down-duration-s", "1")  # fmt: skip
@@ -185,6 +187,9 @@ class Load:
 
 def test_redis_killed_under_load_falls_back_then_returns_to_precise(fleet):
     proc, w2 = router(fleet, *GATE), fleet["workers"][1].url
+    p0 = prompt(20)
+    generate(w2, p0)  # in Redis before it dies; only the indexer's rewrite can bring it back
+    wait_for(lambda: w2 in redis_holders(fleet, p0), what="p0 in Redis")
     load = Load(proc)
     wait_for(lambda: len(load.statuses) >= 10, what="load")
     fleet["redis"].kill()
@@ -195,7 +200,8 @@ def test_redis_killed_under_load_falls_back_then_returns_to_precise(fleet):
     fleet["redis"].start()  # empty: the indexer rewrites it from its own view
     p = prompt(21)
     generate(w2, p)
-    wait_for(lambda: w2 in redis_holders(fleet, p), what="the index rewritten into Redis")
+    wait_for(lambda: w2 in redis_holders(fleet, p), what="new events in the new Redis")
+    wait_for(lambda: w2 in redis_holders(fleet, p0), what="the index rewritten into Redis")
     lookups = metric(proc, "kvs_lookups_total")  # tried again after the 1 s down duration:
     wait_for(lambda: metric(proc, "kvs_lookups_total") > lookups + 5, what="lookups again")
     assert set(load.finish()) == {200}
@@ -226,11 +232,32 @@ def index_matches_snapshots(fleet) -> bool:
         client.close()
 
 
+def flush(url: str) -> None:
+    """/flush_cache, retried while the worker is busy (409)."""
+
+    def done() -> bool:
+        req = urllib.request.Request(url + "/flush_cache", b"", method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                return resp.status == 200
+        except urllib.error.HTTPError as err:
+            assert err.code == 409, err.code
+            return False
+
+    wait_for(done, what="an idle moment to flush")
+
+
 def test_indexer_killed_and_restarted_under_load_converges(fleet):
-    proc = router(fleet, *GATE)
+    proc, w1 = router(fleet, *GATE), fleet["workers"][0].url
     load = Load(proc)
     wait_for(lambda: len(load.statuses) >= 10, what="load")
     fleet["indexer"].kill()
+    # while nobody listens, w1 forgets everything and caches q, then enough else that its
+    # replay buffer no longer reaches q: only its snapshot can tell the new indexer
+    flush(w1)
+    q = prompt(41)
+    for ids in [q, *(prompt(42 + j) for j in range(6))]:
+        generate(w1, ids)
     n = len(load.statuses)
     wait_for(lambda: len(load.statuses) >= n + 10, what="requests served without an indexer")
     fleet["indexer"] = IndexerProc([w.url for w in fleet["workers"]], fleet["redis"].url)
@@ -238,6 +265,7 @@ def test_indexer_killed_and_restarted_under_load_converges(fleet):
     wait_for(lambda: len(load.statuses) >= n + 10, what="requests after the restart")
     assert set(load.finish()) == {200}
     wait_for(lambda: index_matches_snapshots(fleet), what="Redis equal to the workers' snapshots")
+    assert w1 in redis_holders(fleet, q)
 
 
 def test_workers_added_removed_and_killed_leave_redis(fleet):

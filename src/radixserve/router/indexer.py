@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,16 +38,22 @@ class Snapshot:
 
 
 class ResyncSubscriber(EventSubscriber):
-    """A subscriber that starts from a snapshot: batches up to its seq are in it already."""
+    """A subscriber that starts from a snapshot (batches up to its seq are in it already) and
+    asks for a new one whenever the ordinary rules drop the worker (an unreplayable gap, seq
+    going back, a malformed batch), instead of waiting for fresh events to rebuild it."""
 
     floor: int | None = None
+    on_lost: Callable[[ResyncSubscriber], None] | None = None
 
     async def on_message(self, seq: int, payload: bytes) -> None:
         if self.floor is not None:
             if seq <= self.floor:
                 return
             self.floor = None  # past the snapshot: the ordinary rules (restart, gaps) apply
+        lost = self.stats.resyncs + self.stats.restarts
         await super().on_message(seq, payload)
+        if self.stats.resyncs + self.stats.restarts != lost and self.on_lost is not None:
+            self.on_lost(self)
 
 
 class IndexerPlane(EventPlane):
@@ -63,24 +69,29 @@ class IndexerPlane(EventPlane):
         if old is not None:
             asyncio.get_running_loop().create_task(old.stop())
         sub = ResyncSubscriber(worker, endpoints, self.index, self.ctx)
+        sub.on_lost = self._lost
         self.subscribers[worker] = sub
-        asyncio.get_running_loop().create_task(self._resync_then_start(sub))
+        asyncio.get_running_loop().create_task(self._resync(sub, start=True))
         return sub
 
-    async def _resync_then_start(self, sub: ResyncSubscriber) -> None:
+    def _lost(self, sub: ResyncSubscriber) -> None:
+        asyncio.get_running_loop().create_task(self._resync(sub, start=False))
+
+    async def _resync(self, sub: ResyncSubscriber, start: bool) -> None:
         url = str(sub.worker)
         snap = await fetch_snapshot(self.pools[url])
         if self.subscribers.get(sub.worker) is not sub:
             return  # forgotten meanwhile
         self.resyncs += 1
-        if snap is None:  # a foreign engine: nothing to vouch for what Redis holds of it
-            self.writer.drop_worker(url)
-            log.info("%s: no snapshot; its entries are rebuilt from fresh events", url)
-        else:
+        if snap is not None:
             self.writer.replace(url, snap.events)
             sub.last_seq = sub.floor = snap.seq if snap.seq >= 0 else None
             log.info("%s: resynced from a snapshot of %d blocks", url, len(snap.events))
-        sub.start()
+        elif start:  # a foreign engine: nothing vouches for what Redis holds of it
+            self.writer.drop_worker(url)
+            log.info("%s: no snapshot; its entries are rebuilt from fresh events", url)
+        if start:
+            sub.start()
 
 
 async def fetch_snapshot(pool: ConnectionPool, timeout: float = 30.0) -> Snapshot | None:
