@@ -19,6 +19,7 @@ pytest.importorskip("httptools")
 redis = pytest.importorskip("redis")
 
 from radixserve.router.index import chain_keys  # noqa: E402
+from radixserve.router.redis_index import block_id  # noqa: E402
 from radixserve.router.workers import ConnectionPool  # noqa: E402
 from redis_harness import RedisServer  # noqa: E402
 from test_router_fleet import Proc, RouterProc, WorkerProc  # noqa: E402
@@ -118,7 +119,7 @@ def redis_holders(fleet, ids: list[int]) -> dict[str, int]:
     client = redis.Redis.from_url(fleet["redis"].url)
     try:
         key = chain_keys(None, ids[:BLOCK], BLOCK)[0]
-        numbers = {int(n) for n in client.smembers(f"radixserve:b:{key}")}
+        numbers = {int(n) for n in client.smembers("radixserve:b:" + block_id(key))}
         urls = {int(n): u.decode() for n, u in client.hgetall("radixserve:wurl").items()}
         return {urls[n]: n for n in numbers if n in urls}
     finally:
@@ -224,7 +225,7 @@ def index_matches_snapshots(fleet) -> bool:
             held = {}
             if worker.url in table:
                 raw = client.hgetall(f"radixserve:m:{table[worker.url]['n']}")
-                held = {int(e): int(k) for e, k in raw.items()}
+                held = {int(e): int(k, 16) for e, k in raw.items()}
             if held != keys:
                 return False
         return True

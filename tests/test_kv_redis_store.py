@@ -9,7 +9,7 @@ import pytest
 
 redis_asyncio = pytest.importorskip("redis.asyncio")
 
-from radixserve.router.redis_index import BlockDiff, RedisIndexStore  # noqa: E402
+from radixserve.router.redis_index import BlockDiff, RedisIndexStore, block_id  # noqa: E402
 from redis_harness import RedisServer  # noqa: E402
 
 
@@ -32,8 +32,17 @@ def run(redis_server, body):
     return asyncio.run(main())
 
 
-def added(*keys: str) -> BlockDiff:
-    return BlockDiff(mapped=[(f"e{k}", k) for k in keys], hold=list(keys))
+def K(name: str) -> str:
+    """A block key (16 hex digits) for a readable name."""
+    return block_id(int.from_bytes(name.encode().rjust(8, b"\0"), "big"))
+
+
+def added(*names: str) -> BlockDiff:
+    return BlockDiff(mapped=[(f"e{k}", K(k)) for k in names], hold=[K(k) for k in names])
+
+
+def blob(*names: str) -> str:
+    return "".join(map(K, names))
 
 
 def test_lookup_is_each_workers_longest_contiguous_prefix(redis_server):
@@ -42,11 +51,11 @@ def test_lookup_is_each_workers_longest_contiguous_prefix(redis_server):
         b = await store.register("http://b", 16, "xxhash64")
         await store.write(a, added("k1", "k2", "k3"))
         await store.write(b, added("k1", "k2", "k4"))  # holds k4 but not k3: a gap
-        assert await store.lookup([["k1", "k2", "k3", "k4"]]) == {"http://a": 3, "http://b": 2}
-        assert await store.lookup([["k9", "k1"]]) == {}  # must start at the first block
-        assert await store.lookup([["k1"]]) == {"http://a": 1, "http://b": 1}
-        await store.write(a, BlockDiff(unmapped=["ek2"], release=["k2"]))
-        assert await store.lookup([["k1", "k2", "k3"]]) == {"http://a": 1, "http://b": 2}
+        assert await store.lookup([blob("k1", "k2", "k3", "k4")]) == {"http://a": 3, "http://b": 2}
+        assert await store.lookup([blob("k9", "k1")]) == {}  # must start at the first block
+        assert await store.lookup([blob("k1")]) == {"http://a": 1, "http://b": 1}
+        await store.write(a, BlockDiff(unmapped=["ek2"], release=[K("k2")]))
+        assert await store.lookup([blob("k1", "k2", "k3")]) == {"http://a": 1, "http://b": 2}
 
     run(redis_server, body)
 
@@ -57,7 +66,7 @@ def test_one_call_answers_several_block_sizes(redis_server):
         b = await store.register("http://b", 32, "xxhash64")
         await store.write(a, added("s16-1", "s16-2"))
         await store.write(b, added("s32-1"))
-        got = await store.lookup([["s16-1", "s16-2"], ["s32-1", "s32-2"]])
+        got = await store.lookup([blob("s16-1", "s16-2"), blob("s32-1", "s32-2")])
         assert got == {"http://a": 2, "http://b": 1}
 
     run(redis_server, body)
@@ -71,8 +80,8 @@ def test_drop_leaves_nothing_of_the_worker(redis_server):
         await store.write(b, added("k1"))
         assert await store.drop("http://a") == 2
         assert set(await store.workers()) == {"http://b"}
-        assert await store.lookup([["k1", "k2"]]) == {"http://b": 1}
-        assert await client.exists("radixserve:b:k2") == 0  # an empty set is no key at all
+        assert await store.lookup([blob("k1", "k2")]) == {"http://b": 1}
+        assert await client.exists("radixserve:b:" + K("k2")) == 0  # an empty set is no key at all
         assert await client.exists(f"radixserve:m:{a.n}") == 0
         assert await store.drop("http://a") == 0  # twice is harmless
 
@@ -83,10 +92,10 @@ def test_cleared_batch_replaces_what_the_worker_held(redis_server):
     async def body(store, client):
         a = await store.register("http://a", 16, "xxhash64")
         await store.write(a, added("k1", "k2"))
-        await store.write(a, BlockDiff(mapped=[("ex", "x1")], hold=["x1"], cleared=True))
-        assert await store.lookup([["k1"]]) == {}
-        assert await store.lookup([["x1"]]) == {"http://a": 1}
-        assert await store.held(a) == {"ex": "x1"}
+        await store.write(a, BlockDiff(mapped=[("ex", K("x1"))], hold=[K("x1")], cleared=True))
+        assert await store.lookup([blob("k1")]) == {}
+        assert await store.lookup([blob("x1")]) == {"http://a": 1}
+        assert await store.held(a) == {"ex": K("x1")}
         # registering again keeps the number (and so the entries) of a known worker
         assert (await store.register("http://a", 16, "xxhash64")).n == a.n
 
@@ -98,9 +107,9 @@ def test_lookup_survives_a_redis_that_forgot_its_scripts(redis_server):
         a = await store.register("http://a", 16, "xxhash64")
         await store.write(a, added("k1"))
         await client.script_flush()
-        assert await store.lookup([["k1"]]) == {"http://a": 1}
+        assert await store.lookup([blob("k1")]) == {"http://a": 1}
         await client.script_flush()
-        await store.write(a, BlockDiff(mapped=[("ex", "x1")], hold=["x1"], cleared=True))
-        assert await store.held(a) == {"ex": "x1"}
+        await store.write(a, BlockDiff(mapped=[("ex", K("x1"))], hold=[K("x1")], cleared=True))
+        assert await store.held(a) == {"ex": K("x1")}
 
     run(redis_server, body)

@@ -25,7 +25,7 @@ from typing import Any
 
 from radixserve.router.event_format import Event
 from radixserve.router.index import BlockKey, IndexStats, PrefixIndex, WorkerId, block_keys
-from radixserve.router.redis_index import RedisIndexStore, WorkerEntry
+from radixserve.router.redis_index import RedisIndexStore, WorkerEntry, key_blob
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,9 +103,9 @@ class RedisIndexReader(PrefixIndex):
         if not self.table:
             self.table = await self.store.workers()
         sizes = sorted({e.block_size for e in self.table.values() if e.block_size > 0})
-        key_lists = [[str(k) for k in block_keys(token_ids, bs, namespace)] for bs in sizes]
+        blobs = [key_blob(block_keys(token_ids, bs, namespace)) for bs in sizes]
         timeout = self.config.timeout_ms / 1000
-        depths, self.table = await asyncio.wait_for(self.store.lookup_in(key_lists), timeout)
+        depths, self.table = await asyncio.wait_for(self.store.lookup_in(blobs), timeout)
         out: dict[Hashable, int] = {}
         for url, entry in self.table.items():
             wid = self.resolve(url)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from radixserve.router.event_format import AllBlocksCleared, EngineHash, Event
 from radixserve.router.index import KEY_ALGORITHM, BlockKey, InMemoryIndex, PrefixIndex, WorkerId
-from radixserve.router.redis_index import BlockDiff, RedisIndexStore, WorkerEntry
+from radixserve.router.redis_index import BlockDiff, RedisIndexStore, WorkerEntry, block_id
 
 log = logging.getLogger("radixserve.kv_indexer")
 FULL_REWRITE_CHUNK = 20_000  # blocks per pipeline when a worker is rewritten in full
@@ -208,24 +208,24 @@ def _diff(state: object, old: dict[EngineHash, BlockKey | None], touched: list) 
         if now is None:
             diff.unmapped.append(_h(eh))
         else:
-            diff.mapped.append((_h(eh), str(now)))
+            diff.mapped.append((_h(eh), block_id(now)))
             delta[now] = delta.get(now, 0) + 1
         if was is not None:
             delta[was] = delta.get(was, 0) - 1
     for key, d in delta.items():
         after = state.refs.get(key, 0)
         if after and after - d <= 0:
-            diff.hold.append(str(key))
+            diff.hold.append(block_id(key))
         elif not after and d < 0:
-            diff.release.append(str(key))
+            diff.release.append(block_id(key))
     return diff
 
 
 def _full_diff(state: object | None, cleared: bool) -> BlockDiff:
     if state is None:
         return BlockDiff(cleared=cleared)
-    mapped = [(_h(eh), str(key)) for eh, key in state.by_engine.items()]
-    return BlockDiff(mapped=mapped, hold=[str(k) for k in state.refs], cleared=cleared)
+    mapped = [(_h(eh), block_id(key)) for eh, key in state.by_engine.items()]
+    return BlockDiff(mapped=mapped, hold=[block_id(k) for k in state.refs], cleared=cleared)
 
 
 def _chunks(diff: BlockDiff) -> list[BlockDiff]:

@@ -10,8 +10,9 @@ Schema (``P`` is the key prefix, ``radixserve`` by default; every value is a str
 ``P:wurl``       HASH  worker number -> worker URL (the lookup script answers with URLs).
 ``P:wnext``      STRING counter that hands out worker numbers.
 ``P:b:<key>``    SET   worker numbers that hold the block whose key is ``<key>``: the router's
-                 own chained block hash (``radixserve.cache.hashing``, decimal for xxhash64,
-                 hex for the sha256 family) of the prompt's tokens up to the end of the block.
+                 own chained block hash (router/index.py: xxhash64 of ``cache/hashing.py``,
+                 seed 0) of the prompt's tokens up to the end of the block, written as 16
+                 lowercase hex digits.
                  The namespace (LoRA adapter, cache salt) is the chain's root, so equal keys
                  mean equal namespace and equal tokens from the first token on.
 ``P:m:<n>``      HASH  engine block hash -> ``<key>``, everything worker ``n`` holds: resolves
@@ -20,9 +21,11 @@ Schema (``P`` is the key prefix, ``radixserve`` by default; every value is a str
 
 A worker ``n`` holds block ``<key>`` exactly when ``n`` is in ``P:b:<key>`` and ``<key>`` is a
 value of ``P:m:<n>``; every write keeps both in one MULTI/EXEC transaction per event batch.
-Lookup: ``EVALSHA`` of `LOOKUP_LUA` with KEYS = [``P:wurl``, ``P:b:<k1>``, ..., ``P:b:<kN>``]
-(the prompt's block keys in order) returns a flat list ``[url, blocks, url, blocks, ...]``: each
-worker's longest contiguous cached prefix, in blocks, for every worker that holds block 1.
+Lookup: ``EVALSHA`` of `LOOKUP_LUA` with KEYS = [``P:wurl``] and ARGV = [``P:b:``, the prompt's
+block keys in order, concatenated (16 hex digits each)] returns a flat list ``[url, blocks,
+url, blocks, ...]``: each worker's longest contiguous cached prefix, in blocks, for every
+worker that holds block 1. (One string argument, not one key per block: redis-py spends
+about 5 us packing each argument, more than the script spends walking the block.)
 Workers with different block sizes need one key list each; they go in one pipeline, so a
 lookup is one round trip whatever the fleet. (Redis Cluster would need a hash tag in ``P``.)
 """
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,12 +42,12 @@ from typing import Any
 from redis.exceptions import NoScriptError
 
 LOOKUP_LUA = """
-local alive, depth, found = nil, {}, false
-for i = 2, #KEYS do
-  local members = redis.call('SMEMBERS', KEYS[i])
+local prefix, blob, alive, depth = ARGV[1], ARGV[2], nil, {}
+for i = 1, #blob / 16 do
+  local members = redis.call('SMEMBERS', prefix .. string.sub(blob, 16 * i - 15, 16 * i))
   local nxt, any = {}, false
   for _, m in ipairs(members) do
-    if i == 2 or alive[m] then nxt[m] = true; depth[m] = i - 1; any = true end
+    if i == 1 or alive[m] then nxt[m] = true; depth[m] = i; any = true end
   end
   if not any then break end
   alive = nxt
@@ -183,45 +187,57 @@ class RedisIndexStore:
         raw = await self.client.hget(self.keys.workers, url)
         return 0 if raw is None else await self.drop_blocks(_entry(url, raw), forget=True)
 
-    async def lookup(self, key_lists: Sequence[Sequence[str]]) -> dict[str, int]:
-        """Longest contiguous prefix, in blocks, per worker URL, for each key list (one per
-        block size in the fleet), in one pipelined round trip."""
-        calls = [[self.keys.wurl, *map(self.keys.block, keys)] for keys in key_lists if keys]
-        if not calls:
-            return {}
-        try:
-            replies = await self._evalsha_all(calls)
-        except NoScriptError:  # a restarted Redis forgot the script: load it once, ask again
-            await self.client.script_load(LOOKUP_LUA)
-            replies = await self._evalsha_all(calls)
-        return {_s(url): int(d) for flat in replies for url, d in _pairs(flat)}
+    async def lookup(self, blobs: Sequence[str]) -> dict[str, int]:
+        """Longest contiguous prefix, in blocks, per worker URL, for each `key_blob` (one per
+        block size in the fleet), in one round trip."""
+        return (await self._lookup(blobs, with_table=False))[0]
 
     async def lookup_in(
-        self, key_lists: Sequence[Sequence[str]]
+        self, blobs: Sequence[str]
     ) -> tuple[dict[str, int], dict[str, WorkerEntry]]:
         """`lookup` and the worker table together, in one pipelined round trip: a router
         learns new workers and block sizes from the same answer."""
-        calls = [[self.keys.wurl, *map(self.keys.block, keys)] for keys in key_lists if keys]
+        return await self._lookup(blobs, with_table=True)
+
+    async def _lookup(
+        self, blobs: Sequence[str], with_table: bool
+    ) -> tuple[dict[str, int], dict[str, WorkerEntry]]:
+        blobs = [b for b in blobs if b]
+        if not blobs and not with_table:
+            return {}, {}
         try:
-            replies = await self._evalsha_all(calls, with_table=True)
-        except NoScriptError:
+            replies = await self._evalsha_all(blobs, with_table)
+        except NoScriptError:  # a restarted Redis forgot the script: load it once, ask again
             await self.client.script_load(LOOKUP_LUA)
-            replies = await self._evalsha_all(calls, with_table=True)
-        table = {_s(url): _entry(_s(url), meta) for url, meta in replies[-1].items()}
-        depths = {_s(url): int(d) for flat in replies[:-1] for url, d in _pairs(flat)}
+            replies = await self._evalsha_all(blobs, with_table)
+        table = {}
+        if with_table:
+            table = {_s(url): _entry(_s(url), meta) for url, meta in replies.pop().items()}
+        depths = {_s(url): int(d) for flat in replies for url, d in _pairs(flat)}
         return depths, table
 
-    async def _evalsha_all(self, calls: list[list[str]], with_table: bool = False) -> list[Any]:
+    async def _evalsha_all(self, blobs: list[str], with_table: bool) -> list[Any]:
         # EVALSHA directly, not redis-py's Script in a pipeline: that adds a SCRIPT EXISTS
         # round trip to every call.
-        if len(calls) == 1 and not with_table:
-            return [await self.client.evalsha(self._lookup_sha, len(calls[0]), *calls[0])]
+        args = (self._lookup_sha, 1, self.keys.wurl, self.keys.block_prefix)
+        if len(blobs) == 1 and not with_table:
+            return [await self.client.evalsha(*args, blobs[0])]
         async with self.client.pipeline(transaction=False) as pipe:
-            for keys in calls:
-                pipe.evalsha(self._lookup_sha, len(keys), *keys)
+            for blob in blobs:
+                pipe.evalsha(*args, blob)
             if with_table:
                 pipe.hgetall(self.keys.workers)
             return await pipe.execute()
+
+
+def block_id(key: int) -> str:
+    """A block key as it appears in ``P:b:<key>``."""
+    return f"{key:016x}"
+
+
+def key_blob(keys: Sequence[int]) -> str:
+    """A prompt's block keys as the lookup script's argument."""
+    return struct.pack(f">{len(keys)}Q", *keys).hex()
 
 
 async def _batched(keys: Any, size: int = 1000) -> Any:
