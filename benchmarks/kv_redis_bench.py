@@ -34,9 +34,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from _machine import machine_line
-from redis_harness import RedisServer
-from router_bench import cpu_secs, drive, free_port, run, start_workers, wait_ready
-
 from radixserve.router.event_format import BlockRemoved, BlockStored
 from radixserve.router.index import InMemoryIndex
 from radixserve.router.kv_aware import KvAwarePolicy
@@ -44,6 +41,8 @@ from radixserve.router.kvs_reader import KvsConfig, RedisIndexReader
 from radixserve.router.kvs_writer import RedisIndexWriter
 from radixserve.router.policies import CacheAwarePolicy, RequestView, WorkerView
 from radixserve.router.redis_index import RedisIndexStore
+from redis_harness import RedisServer
+from router_bench import cpu_secs, drive, free_port, run, start_workers, wait_ready
 
 BLOCK, GROUPS, WORKERS = 16, 64, 4
 
@@ -103,7 +102,7 @@ async def decisions(redis_url: str, length: int, n: int) -> dict[str, list[float
         for name, policy in targets.items():
             t0 = time.perf_counter()
             view = RequestView.from_payload(json.loads(body))
-            if policy.index is reader if name == "kv_aware redis" else False:
+            if name == "kv_aware redis":
                 await reader.prepare(view.token_ids, view.kv_namespace)
             pick = policy.select(views, view, float(i))
             policy.on_dispatch(views[pick].id, view, float(i))

@@ -42,14 +42,19 @@ from typing import Any
 from redis.exceptions import NoScriptError
 
 LOOKUP_LUA = """
-local prefix, blob, alive, depth = ARGV[1], ARGV[2], nil, {}
-for i = 1, #blob / 16 do
-  local members = redis.call('SMEMBERS', prefix .. string.sub(blob, 16 * i - 15, 16 * i))
-  local nxt, any = {}, false
-  for _, m in ipairs(members) do
-    if i == 1 or alive[m] then nxt[m] = true; depth[m] = i; any = true end
+local prefix, blob, depth = ARGV[1], ARGV[2], {}
+local alive = redis.call('SMEMBERS', prefix .. string.sub(blob, 1, 16))
+for _, m in ipairs(alive) do depth[m] = 1 end
+for i = 2, #blob / 16 do
+  if #alive == 0 then break end
+  local key, nxt = prefix .. string.sub(blob, 16 * i - 15, 16 * i), {}
+  if #alive == 1 then  -- the usual case past the first blocks: no reply table to build
+    if redis.call('SISMEMBER', key, alive[1]) == 1 then nxt[1] = alive[1] end
+  else
+    local held = redis.call('SMISMEMBER', key, unpack(alive))
+    for j, m in ipairs(alive) do if held[j] == 1 then nxt[#nxt + 1] = m end end
   end
-  if not any then break end
+  for _, m in ipairs(nxt) do depth[m] = i end
   alive = nxt
 end
 local out = {}
