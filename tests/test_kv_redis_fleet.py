@@ -127,13 +127,14 @@ def redis_holders(fleet, ids: list[int]) -> dict[str, int]:
 
 
 def test_replicas_agree_and_a_late_one_routes_precisely_at_once(fleet):
-    w1, w2 = (w.url for w in fleet["workers"])
+    urls = [w.url for w in fleet["workers"]]
     a, b = router(fleet), router(fleet)
     p1, p2, p3 = prompt(1), prompt(2), prompt(3)
-    # p1 goes through A, then p2 while a long request through A keeps w1 busy: A sends p2
-    # elsewhere (its pending prefill on w1), so the two prefixes live on different workers
-    assert routed_to(a, p1) == w1
-    busy = threading.Thread(target=generate, args=(f"http://{a.addr}", prompt(9), 2000))
+    # p1 goes through A; then p2, while a long request on p1's worker (sent there by A for its
+    # prefix) keeps that one busy: A sends p2 to the other, so the prefixes live apart
+    w1 = routed_to(a, p1)
+    w2 = next(u for u in urls if u != w1)
+    busy = threading.Thread(target=generate, args=(f"http://{a.addr}", p1 + prompt(9), 2000))
     busy.start()
     try:
         wait_for(lambda: loads(a)[w1] == 1, what="a request in flight on w1")

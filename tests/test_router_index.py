@@ -66,7 +66,7 @@ def test_clear_drop_and_block_size_change_forget_the_worker():
     index = InMemoryIndex()
     index.apply("w", [stored([1, 2], None, PROMPT[:8])])
     index.apply("w", [AllBlocksCleared()])
-    assert matched(index, "w") is None
+    assert matched(index, "w") == 0 and index.blocks() == {"w": 0}
     index.apply("w", [stored([1, 2], None, PROMPT[:8])])
     index.apply("w", [BlockStored((7,), None, tuple(PROMPT[:8]), 8)])  # now 8 tokens a block
     assert index.block_size("w") == 8 and index.blocks() == {"w": 1}

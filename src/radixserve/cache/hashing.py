@@ -26,6 +26,8 @@ ids; ``ns`` the namespace string, "" when absent; integers are little-endian):
 from __future__ import annotations
 
 import hashlib
+import sys
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,7 +39,15 @@ HashValue = Any  # str for the sha256 family, int for xxhash64
 
 
 def _tokens_bytes(toks: Sequence[int]) -> bytes:
+    if _LITTLE:  # one C pass instead of one Python call per token; the same bytes
+        try:
+            return array("q", toks).tobytes()
+        except (OverflowError, TypeError):
+            pass
     return b"".join(t.to_bytes(8, "little", signed=True) for t in toks)
+
+
+_LITTLE = sys.byteorder == "little"
 
 
 def _sha256_root(ns: str, seed: int) -> bytes:

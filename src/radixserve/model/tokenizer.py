@@ -5,6 +5,7 @@ special token ids and context length. Torch-free, so the API process can load it
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -67,6 +68,14 @@ class ModelInfo:
             bos_token=self._token_text(self.bos_token_id),
             eos_token=self._token_text(self.eos_token_ids[0] if self.eos_token_ids else None),
         )
+
+    def fingerprint(self) -> str:
+        """Equal for tokenizers that turn every prompt and chat into the same ids: a digest of
+        the tokenizer's full definition, its chat template and special ids. A router compares
+        it with its workers' (/get_model_info) before it hashes prompts on their behalf."""
+        parts = [self.tokenizer.to_str(), self.chat_template or "", repr(self.bos_token_id)]
+        digest = hashlib.sha256("\x00".join(parts).encode()).hexdigest()[:16]
+        return f"hf:{digest}"
 
     def _token_text(self, token_id: int | None) -> str:
         if token_id is None:

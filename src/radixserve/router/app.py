@@ -22,6 +22,7 @@ import httptools
 
 from radixserve.router.config import RouterConfig
 from radixserve.router.keys import units
+from radixserve.router.kv_routing import KvRouting, fetch_json
 from radixserve.router.kvs_reader import open_kv_index
 from radixserve.router.policies import NoWorkerAvailable, RequestView, create_policy
 from radixserve.router.workers import (
@@ -193,6 +194,10 @@ class Router:
         if self.kvs is None:
             self.policy = create_policy(config.policy, config.policy_config())
         self.registry = WorkerRegistry(config.health_config(), self.policy.on_worker_removed)
+        # kv_aware: an index fed by the workers' KV events, prompts tokenized as they do
+        has_index = getattr(self.policy, "index", None) is not None
+        subscribe = self.kvs is None  # on Redis, the kv-indexer follows the events
+        self.kv = KvRouting(self.policy, config.tokenizer, subscribe) if has_index else None
         self.retries, self.failed = 0, {502: 0, 503: 0}
         self.decisions = [0] * (len(BUCKETS) + 1)
         self.decision_sum = 0.0
@@ -218,7 +223,7 @@ class Router:
         """Listen and start background work; returns the bound port. Unreachable workers do not
         delay this: health checks and the circuit breaker find them out."""
         for url in self.config.worker_urls:
-            self.registry.add(url)
+            self._watch(self.registry.add(url))
         self.registry.start()
         if self.config.eviction_interval_secs > 0:
             self._ticker = asyncio.get_running_loop().create_task(self._tick_loop())
@@ -232,6 +237,8 @@ class Router:
             self.server.close()
         if self._ticker is not None:
             self._ticker.cancel()
+        if self.kv is not None:
+            await self.kv.stop()
         await self.registry.stop()
         if self.kvs is not None:
             await self.kvs.close()
@@ -239,6 +246,20 @@ class Router:
     def _worker_id(self, url: str) -> str | None:
         worker = self.registry.by_url(url)
         return None if worker is None else worker.id
+
+    def _watch(self, worker: Worker) -> None:
+        """kv_aware: check the worker's tokenizer, then subscribe to its KV events."""
+        if self.kv is None:
+            return
+        kv = self.kv
+
+        async def admit() -> None:
+            if not await kv.admit(
+                worker.id, worker.url, lambda p: fetch_json(worker.pool.request, p)
+            ):
+                self.registry.remove(worker)
+
+        asyncio.get_running_loop().create_task(admit())
 
     async def _tick_loop(self) -> None:
         while True:
@@ -289,10 +310,13 @@ class Router:
         """Route, forward and relay one inference request, retrying elsewhere while nothing
         has reached the client yet."""
         try:
-            view = RequestView.from_payload(loads(req.body))
+            payload = loads(req.body)
+            view = RequestView.from_payload(payload)
         except (ValueError, TypeError, AttributeError) as exc:
             conn.send_json(400, error_body(400, f"request body is not a JSON object: {exc}"))
             return
+        if self.kv is not None:
+            view = self.kv.view(payload, view)
         tried: list[str] = []
         for attempt in range(self.config.max_retries + 1):
             if attempt:
@@ -423,6 +447,7 @@ class Router:
         except ValueError as exc:
             status = 409 if "already" in str(exc) else 400
             return status, error_body(status, str(exc))
+        self._watch(worker)
         return 201 if req.path == "/workers" else 200, worker.info()
 
     async def remove_worker(self, req: Request) -> tuple[int, object]:
@@ -433,6 +458,8 @@ class Router:
         if worker is None:
             return 404, error_body(404, f"no worker {ref!r}")
         self.registry.remove(worker)
+        if self.kv is not None:
+            await self.kv.forget(worker.id)
         return 200, {"removed": worker.id, "url": worker.url}
 
     async def models(self, req: Request) -> tuple[int, object]:
@@ -467,6 +494,12 @@ class Router:
             ("retries_total", "counter", {"": self.retries}),
             ("expected_hit_rate", "gauge", {"": round(hit_rate, 6)}),
         ]
+        if self.kv is not None:
+            urls = {w.id: w.url for w in ws}
+            families += [
+                (n, k, {urls.get(w, str(w)) if w != "" else "": v for w, v in samples.items()})
+                for n, k, samples in self.kv.metric_families()
+            ]
         lines = [line for family in families for line in _family(*family)]
         failed = {str(code): n for code, n in self.failed.items()}
         lines += _family("failed_requests_total", "counter", failed, label="code")

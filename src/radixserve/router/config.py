@@ -77,6 +77,11 @@ class RouterConfig:
         "approximate tree) before it is tried again",
     )
     kvs_timeout_ms: float = _f(200.0, "kv_aware on Redis: a lookup slower than this failed")
+    tokenizer: str | None = _f(
+        None,
+        "kv_aware: the workers' tokenizer (model dir or GGUF; default: what the workers report "
+        "in /get_model_info)",
+    )
     api_key: str | None = _f(None, "bearer key required on inference endpoints")
     admin_api_key: str | None = _f(
         None, "bearer key required on worker management (default: --api-key)"

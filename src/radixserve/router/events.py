@@ -13,7 +13,8 @@ PrefixIndex; EventPlane starts and stops them as workers come and go and reports
 # arrive: a gap the replay buffer no longer covers, a malformed batch, seq going back (the
 # publisher restarted: its cache is empty), the worker removed or failing health checks. A
 # missed BlockStored is harmless (an underestimate), so at subscription the history is replayed
-# from seq 0 as far as the buffer reaches, and older blocks stay unknown.
+# from seq 0 as far as the buffer reaches (batches published meanwhile, arriving twice, are
+# skipped), and older blocks stay unknown.
 #
 # Runs as asyncio tasks on the router's loop (zmq.asyncio): receiving never blocks the proxy,
 # and the index is only ever touched from that one thread, so it needs no lock.
@@ -106,8 +107,15 @@ class EventSubscriber:
         self.replay_timeout_secs = replay_timeout_secs
         self.stats = SubscriberStats()
         self.last_seq: int | None = None
+        self._overlap = False
+        self._sub_last: int | None = None  # the last seq the SUB socket delivered
         self._task: asyncio.Task[None] | None = None
         self.connected = asyncio.Event()
+
+    @property
+    def live(self) -> bool:
+        """Past the history replay: the SUB socket has delivered a batch not seen before."""
+        return self._sub_last is not None and not self._overlap
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -124,8 +132,11 @@ class EventSubscriber:
         sub.setsockopt(zmq.RCVHWM, 100_000)
         sub.setsockopt(zmq.SUBSCRIBE, self.endpoints.topic.encode())
         sub.connect(self.endpoints.endpoint)
-        self.connected.set()
         try:
+            # History first: a worker that is idle now publishes nothing to trigger a replay.
+            await self._replay(0, None)
+            self._overlap = self.last_seq is not None
+            self.connected.set()
             while True:
                 frames = await sub.recv_multipart()
                 if len(frames) < 2:
@@ -142,7 +153,11 @@ class EventSubscriber:
 
     async def on_message(self, seq: int, payload: bytes) -> None:
         """Apply one published batch, recovering whatever came before it first."""
-        last = self.last_seq
+        last, sub_prev, self._sub_last = self.last_seq, self._sub_last, seq
+        if self._overlap:  # batches sent while the history was replayed arrive twice, in order
+            if last is not None and seq <= last and (sub_prev is None or seq > sub_prev):
+                return
+            self._overlap = False
         if last is not None and seq <= last:
             self.stats.restarts += 1
             log.warning(
@@ -180,8 +195,9 @@ class EventSubscriber:
         self.stats.events += len(batch.events)
         return True
 
-    async def _replay(self, start: int, until: int) -> bool:
-        """Ask for batches start..until-1 and apply them; True if all of them came back."""
+    async def _replay(self, start: int, until: int | None) -> bool:
+        """Ask for batches start..until-1 (None: all buffered) and apply them; True if all of
+        them came back."""
         if self.endpoints.replay_endpoint is None:
             return False
         self.stats.replays += 1
@@ -194,8 +210,10 @@ class EventSubscriber:
             while True:
                 frames = await asyncio.wait_for(sock.recv_multipart(), self.replay_timeout_secs)
                 seq = _seq(frames[-2]) if len(frames) >= 2 else END_SEQ
-                if seq == END_SEQ or seq >= until:
+                if seq == END_SEQ or (until is not None and seq >= until):
                     break
+                if until is None and want == start and seq > start:
+                    want = seq  # history: from the oldest batch the buffer still has
                 if seq == want:  # in order; anything else is a hole the buffer cannot fill
                     self._apply(seq, frames[-1])
                     self.stats.replayed_batches += 1

@@ -79,8 +79,8 @@ class PrefixIndex(ABC):
     """Per worker, the blocks it holds. Writers: one subscriber per worker calls `apply` with
     each batch's events in order, and `drop_worker` when it can no longer vouch for the worker
     (an unrecoverable gap, a restart, removal, death). Readers: kv_aware calls `prefix_tokens`.
-    A worker is *known* from its first BlockStored until it is dropped; an unknown worker has
-    no entry in prefix_tokens' answer, and the policy falls back to its approximate tree."""
+    A worker is *known* from its first BlockStored until it is dropped (AllBlocksCleared
+    empties it but keeps it known); an unknown worker has no entry in prefix_tokens' answer."""
 
     stats: IndexStats
 
@@ -162,8 +162,11 @@ class InMemoryIndex(PrefixIndex):
             elif isinstance(event, BlockRemoved):
                 self._remove(worker, event)
             elif isinstance(event, AllBlocksCleared):
+                # known and empty, not unknown: the router must expect no hit there at all
                 self.stats.cleared += 1
-                self._workers.pop(worker, None)
+                state = self._workers.get(worker)
+                if state is not None:
+                    self._workers[worker] = _Worker(state.block_size)
 
     def drop_worker(self, worker: WorkerId) -> None:
         self._workers.pop(worker, None)

@@ -127,7 +127,9 @@ def _admin_routes(state: ServerState) -> APIRouter:
                 "served_model_name": state.model_name, "is_generation": True,
                 "context_length": state.tm.context_length,
                 "vocab_size": info.get("vocab_size"),
-                "max_total_tokens": info.get("max_total_tokens")}  # fmt: skip
+                "max_total_tokens": info.get("max_total_tokens"),
+                # what a kv_aware router needs to tokenize exactly as this server does
+                "tokenizer_fingerprint": state.engine.tokenizer.fingerprint()}  # fmt: skip
 
     @router.get("/get_server_info")
     async def server_info() -> dict[str, Any]:

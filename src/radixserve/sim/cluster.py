@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from radixserve.config import CacheConfig, SchedulerConfig
+from radixserve.router.index import PrefixIndex
 from radixserve.router.policies import (
     CachePolicyConfig,
     RequestView,
@@ -32,6 +33,7 @@ from radixserve.sched.batch import Batch, StepResult
 from radixserve.sched.request import Req, SamplingParams
 from radixserve.sched.scheduler import Scheduler
 from radixserve.sim.costmodel import get_cost_model
+from radixserve.sim.kv_feed import KvFeed
 from radixserve.sim.report import EngineLoad, SimResult
 from radixserve.sim.runner import SimRunner
 from radixserve.sim.workloads import Chains, WorkloadRequest
@@ -90,7 +92,10 @@ def default_cache_config(config: ClusterConfig) -> CacheConfig:
 class _Engine:
     """One simulated engine: its scheduler and runner, the batch in flight and its load."""
 
-    __slots__ = ("idx", "sched", "runner", "batch", "result", "awake", "load", "requests", "tokens")
+    __slots__ = (
+        "idx", "sched", "runner", "batch", "result", "awake", "load", "requests", "tokens",
+        "prefilling",
+    )  # fmt: skip
 
     def __init__(self, idx: int, sched: Scheduler, runner: SimRunner) -> None:
         self.idx, self.sched, self.runner = idx, sched, runner
@@ -99,9 +104,16 @@ class _Engine:
         self.awake = False  # a step is running or a wake-up is queued
         self.load = EngineLoad()
         self.requests = self.tokens = 0  # dispatched and not finished: the router's view
+        self.prefilling: dict[str, Req] = {}  # dispatched, no token out yet
 
     def view(self) -> WorkerView:
         return WorkerView(self.idx, self.requests, True, self.tokens)
+
+    def reported_view(self, now: float) -> WorkerView:
+        """The view plus the prefill tokens this engine has yet to compute, as a worker
+        reports them to kv_aware."""
+        left = sum(len(r.input_ids) - max(r.kv_len, r.match_len) for r in self.prefilling.values())
+        return WorkerView(self.idx, self.requests, True, self.tokens, left, now)
 
 
 class ClusterSim:
@@ -128,6 +140,12 @@ class ClusterSim:
         ]
         self._views = [e.view() for e in self.engines]  # kept current as loads change
         self.policy = create_policy(config.router, config.policy_config(), config.sim_seed)
+        index = getattr(self.policy, "index", None)  # kv_aware: fed by the engines' caches
+        self._feed = (
+            KvFeed([e.sched.cache for e in self.engines], index)
+            if isinstance(index, PrefixIndex)
+            else None
+        )
         self._events: list[tuple[float, int, int, int]] = []
         self._seq = 0
         self._live: dict[str, tuple[Req, _Engine, RequestView]] = {}
@@ -205,6 +223,9 @@ class ClusterSim:
         w, now = self._reqs[i], self.now
         view = RequestView.from_prompt(input_ids=w.input_ids)
         self.policy.tick(now)
+        if self._feed is not None:
+            self._feed.flush()
+            self._views = [e.reported_view(now) for e in self.engines]
         pick = self.policy.select(self._views, view, now)
         eng = self.engines[pick]
         self.policy.on_dispatch(eng.idx, view, now)
@@ -223,6 +244,7 @@ class ClusterSim:
         eng.tokens += n
         self._views[eng.idx] = eng.view()
         self._live[w.rid] = (req, eng, view)
+        eng.prefilling[w.rid] = req
         if not eng.awake:
             eng.awake = True
             self._push(now, _WAKE, eng.idx)
@@ -254,6 +276,7 @@ class ClusterSim:
         eng.batch = eng.result = None
         done = 0
         for out in eng.sched.on_output(batch, result):  # type: ignore[arg-type]
+            eng.prefilling.pop(out.rid, None)
             if out.finished:
                 self._finish(out.rid)
                 done += 1
@@ -294,6 +317,10 @@ class ClusterSim:
         tree = getattr(self.policy, "tree", None)
         if tree is not None:
             tree.check_integrity()
+        if self._feed is not None:
+            for tracker in self._feed.trackers:
+                tracker.check()
+            getattr(self._feed.index, "check_integrity", lambda: None)()
 
 
 @contextmanager

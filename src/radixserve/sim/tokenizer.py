@@ -28,6 +28,10 @@ class SimTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [self._word_id(w) for w in text.split()]
 
+    def fingerprint(self) -> str:
+        """See ModelInfo.fingerprint: the word tokenizer depends on its vocabulary size only."""
+        return f"sim:{self.vocab_size}"
+
     def _word_id(self, word: str) -> int:
         try:
             return parse_text(word)[0]
