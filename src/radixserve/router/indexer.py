@@ -175,7 +175,7 @@ class Indexer:
             if worker.task is not None:
                 worker.task.cancel()
             worker.pool.close()
-        await self.writer.flushed(timeout=5.0)  # entries stay: a restarted indexer resyncs
+        await self.writer.flushed(timeout=2.0)  # entries stay: a restarted indexer resyncs
         if self._writer_task is not None:
             self._writer_task.cancel()
         for sub in list(self.plane.subscribers.values()):

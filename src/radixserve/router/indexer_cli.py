@@ -92,6 +92,9 @@ async def serve(config: IndexerConfig) -> int:
     indexer = Indexer(writer, config.health_check_interval_secs, config.health_failure_threshold)
     try:
         await indexer.start(list(config.worker_urls))
+    except ValueError as exc:  # a malformed or repeated worker URL
+        print(f"radixserve kv-indexer: {exc}", file=sys.stderr)
+        return 2
     except Exception as exc:  # Redis unreachable at start: say so in one line
         print(f"radixserve kv-indexer: cannot use {config.redis}: {exc}", file=sys.stderr)
         return 1

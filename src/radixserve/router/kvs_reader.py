@@ -18,6 +18,7 @@ PrefixIndex that hands kv_aware each lookup's answer."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ from typing import Any
 from radixserve.router.event_format import Event
 from radixserve.router.index import BlockKey, IndexStats, PrefixIndex, WorkerId, block_keys
 from radixserve.router.redis_index import RedisIndexStore, WorkerEntry, key_blob
+
+log = logging.getLogger("radixserve.router")
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +86,7 @@ class RedisIndexReader(PrefixIndex):
         if not self.gate.up(loop.time()):
             self.fallbacks += 1
             return
-        t0 = loop.time()
+        t0, error = loop.time(), None
         for attempt in range(self.config.retry_times + 1):
             try:
                 self.answer = await self._lookup(token_ids, namespace)
@@ -91,12 +94,14 @@ class RedisIndexReader(PrefixIndex):
                 self.lookups += 1
                 self.lookup_seconds += loop.time() - t0
                 return
-            except Exception:  # Redis unreachable, slow, restarted, or refusing: all fall back
-                self.failures += 1
+            except Exception as exc:  # unreachable, slow, restarted, refusing: all fall back
+                self.failures, error = self.failures + 1, exc
             if attempt < self.config.retry_times and self.gate.up(loop.time()):
                 await asyncio.sleep(self.config.retry_interval_ms / 1000)
         if self.gate.up(loop.time()):
             self.gate.mark_down(loop.time())
+            log.warning("KV metadata service down (%r); routing from the approximate tree for "
+                        "%.0f s", error, self.config.down_duration_s)  # fmt: skip
         self.fallbacks += 1
 
     async def _lookup(self, token_ids: Sequence[int], namespace: str) -> dict[Hashable, int]:

@@ -15,6 +15,7 @@ import logging
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from radixserve.router.event_format import AllBlocksCleared, EngineHash, Event
 from radixserve.router.index import KEY_ALGORITHM, BlockKey, InMemoryIndex, PrefixIndex, WorkerId
@@ -27,7 +28,7 @@ FULL_REWRITE_CHUNK = 20_000  # blocks per pipeline when a worker is rewritten in
 class _Mirror(InMemoryIndex):
     """The in-memory index, with a look at one worker's state for diffing."""
 
-    def state(self, worker: WorkerId) -> object | None:
+    def state(self, worker: WorkerId) -> Any:
         return self._workers.get(worker)
 
 
@@ -86,7 +87,7 @@ class RedisIndexWriter(PrefixIndex):
         else:
             self._queue_full(worker, state)
 
-    def _queue_full(self, worker: WorkerId, state: object) -> None:
+    def _queue_full(self, worker: WorkerId, state: Any) -> None:
         for diff in _chunks(_full_diff(state, cleared=True)):
             self._queue(worker, diff)
 
@@ -197,7 +198,7 @@ def _h(engine_hash: EngineHash) -> str:
     return engine_hash.hex() if isinstance(engine_hash, bytes) else str(engine_hash)
 
 
-def _diff(state: object, old: dict[EngineHash, BlockKey | None], touched: list) -> BlockDiff:
+def _diff(state: Any, old: dict[EngineHash, BlockKey | None], touched: list) -> BlockDiff:
     """What changed for the touched engine hashes; a key is held while any engine hash maps
     to it (the mirror's reference counts), so its membership changes only at 0 <-> 1."""
     diff, delta = BlockDiff(), {}
@@ -221,7 +222,7 @@ def _diff(state: object, old: dict[EngineHash, BlockKey | None], touched: list) 
     return diff
 
 
-def _full_diff(state: object | None, cleared: bool) -> BlockDiff:
+def _full_diff(state: Any, cleared: bool) -> BlockDiff:
     if state is None:
         return BlockDiff(cleared=cleared)
     mapped = [(_h(eh), block_id(key)) for eh, key in state.by_engine.items()]
