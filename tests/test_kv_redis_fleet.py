@@ -287,5 +287,17 @@ def test_workers_added_removed_and_killed_leave_redis(fleet):
     try:
         wait_for(lambda: not client.hexists("radixserve:workers", extra.url), what="dead worker")
         assert extra.url not in redis_holders(fleet, prompt(31))
+        # a worker that dies while no indexer runs leaves Redis when the next one starts
+        other = launch_worker()
+        fleet["procs"].append(other)
+        generate(other.url, prompt(32))
+        assert indexer.call("POST", "/workers", {"url": other.url})[0] == 201
+        wait_for(lambda: other.url in redis_holders(fleet, prompt(32)), what="other indexed")
+        indexer.kill()
+        other.kill()
+        urls = [*(w.url for w in fleet["workers"]), other.url]
+        fleet["indexer"] = IndexerProc(urls, fleet["redis"].url)
+        wait_for(lambda: not client.hexists("radixserve:workers", other.url), what="dead at start")
+        assert other.url not in redis_holders(fleet, prompt(32))
     finally:
         client.close()

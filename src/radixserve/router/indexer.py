@@ -118,12 +118,12 @@ def _stored(block: dict[str, Any], size: int) -> BlockStored:
 class Followed:
     url: str
     pool: ConnectionPool
-    alive: bool = False
+    alive: bool | None = None  # None: not probed enough yet to say
     failures: int = 0
     task: asyncio.Task[None] | None = None
 
     def info(self) -> dict[str, object]:
-        return {"id": self.url, "url": self.url, "healthy": self.alive}
+        return {"id": self.url, "url": self.url, "healthy": bool(self.alive)}
 
 
 class Indexer:
@@ -189,8 +189,8 @@ class Indexer:
             if ok and not worker.alive:
                 worker.alive = True
                 self.plane.watch(worker.url, worker.url, lambda p=worker.pool: _info(p))
-            elif worker.alive and worker.failures >= self.failure_threshold:
-                worker.alive = False
+            elif worker.alive is not False and worker.failures >= self.failure_threshold:
+                worker.alive = False  # also dead at start: what Redis still holds of it goes
                 log.warning("%s failed its health checks: its entries leave Redis", worker.url)
                 await self.plane.forget(worker.url)
             await asyncio.sleep(self.probe_interval)

@@ -14,7 +14,10 @@ def metric_lines(indexer: Any) -> list[str]:
     lines: list[str] = []
     blocks = writer.blocks()
     per_worker = {"blocks": ("gauge", {w: blocks.get(w, 0) for w in indexer.followed})}
-    per_worker["worker_alive"] = ("gauge", {w: int(f.alive) for w, f in indexer.followed.items()})
+    per_worker["worker_alive"] = (
+        "gauge",
+        {w: int(bool(f.alive)) for w, f in indexer.followed.items()},
+    )
     for counter, values in plane.stat_totals().items():
         per_worker[f"{counter}_total"] = ("counter", values)
     for name, (kind, values) in per_worker.items():

@@ -11,6 +11,7 @@ Owns the mirror of what each worker holds, the per-batch diffs, and their ordere
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -23,6 +24,9 @@ from radixserve.router.redis_index import BlockDiff, RedisIndexStore, WorkerEntr
 
 log = logging.getLogger("radixserve.kv_indexer")
 FULL_REWRITE_CHUNK = 20_000  # blocks per pipeline when a worker is rewritten in full
+# Batches that queued up while a write was in flight go in one transaction: one round trip for
+# many batches under a burst, and still never part of a batch visible to a reader.
+MAX_BATCHES_PER_WRITE = 64
 
 
 class _Mirror(InMemoryIndex):
@@ -123,9 +127,10 @@ class RedisIndexWriter(PrefixIndex):
                     self._wake.clear()
                     await self._idle()
                     continue
-                await self._write(self.ops[0])
-                self.ops.popleft()
-                self.batches_written += 1
+                done = await self._write_next()
+                for _ in range(done):
+                    self.ops.popleft()
+                self.batches_written += done
             except Exception as exc:  # any Redis error: the op stays queued
                 self._failed(exc)
                 await asyncio.sleep(self.retry_secs)
@@ -175,12 +180,22 @@ class RedisIndexWriter(PrefixIndex):
             for diff in _chunks(_full_diff(state, cleared=True)):
                 await self.store.write(entry, diff)
 
-    async def _write(self, op: _Op) -> None:
+    async def _write_next(self) -> int:
+        """Write the oldest queued op, with the diffs queued after it of already registered
+        workers (up to MAX_BATCHES_PER_WRITE) in the same transaction; returns how many."""
+        op = self.ops[0]
         if op.diff is None:
             self.entries.pop(op.worker, None)
             await self.store.drop(op.worker)
-            return
-        await self.store.write(await self._entry(op.worker, op.block_size), op.diff)
+            return 1
+        group = [(await self._entry(op.worker, op.block_size), op.diff)]
+        for nxt in itertools.islice(self.ops, 1, MAX_BATCHES_PER_WRITE):
+            entry = self.entries.get(nxt.worker)
+            if nxt.diff is None or entry is None or entry.block_size != nxt.block_size:
+                break  # a drop or a (re)registration goes on its own
+            group.append((entry, nxt.diff))
+        await self.store.write_many(group)
+        return len(group)
 
     async def _entry(self, url: str, block_size: int) -> WorkerEntry:
         entry = self.entries.get(url)

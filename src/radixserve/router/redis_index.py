@@ -149,20 +149,27 @@ class RedisIndexStore:
 
     async def write(self, entry: WorkerEntry, diff: BlockDiff) -> None:
         """Apply one batch's diff in one MULTI/EXEC."""
-        k, owned, n = self.keys, self.keys.owned(entry.n), entry.n
-        if diff.cleared:  # a script missing inside MULTI would fail alone, the rest applied
+        await self.write_many([(entry, diff)])
+
+    async def write_many(self, diffs: Sequence[tuple[WorkerEntry, BlockDiff]]) -> None:
+        """Apply consecutive batches' diffs, in order, in one MULTI/EXEC (one round trip):
+        a reader sees all of them or none, never part of a batch."""
+        k = self.keys
+        if any(diff.cleared for _, diff in diffs):  # missing inside MULTI, it would fail alone
             await self.client.script_load(DROP_LUA)
         async with self.client.pipeline(transaction=True) as pipe:
-            if diff.cleared:
-                pipe.evalsha(self._drop.sha, 3, owned, k.workers, k.wurl, n, k.block_prefix, "")
-            for key in diff.release:
-                pipe.srem(k.block(key), n)
-            if diff.unmapped:
-                pipe.hdel(owned, *diff.unmapped)
-            for key in diff.hold:
-                pipe.sadd(k.block(key), n)
-            if diff.mapped:
-                pipe.hset(owned, mapping=dict(diff.mapped))
+            for entry, diff in diffs:
+                owned, n = k.owned(entry.n), entry.n
+                if diff.cleared:
+                    pipe.evalsha(self._drop.sha, 3, owned, k.workers, k.wurl, n, k.block_prefix, "")
+                for key in diff.release:
+                    pipe.srem(k.block(key), n)
+                if diff.unmapped:
+                    pipe.hdel(owned, *diff.unmapped)
+                for key in diff.hold:
+                    pipe.sadd(k.block(key), n)
+                if diff.mapped:
+                    pipe.hset(owned, mapping=dict(diff.mapped))
             await pipe.execute()
 
     async def clear_prefix(self) -> int:
