@@ -29,6 +29,7 @@ from radixserve.router.index import BlockKey, IndexStats, PrefixIndex, WorkerId,
 from radixserve.router.redis_index import RedisIndexStore, WorkerEntry, key_blob
 
 log = logging.getLogger("radixserve.router")
+TABLE_REFRESH_S = 1.0  # how stale a router's copy of P:workers may be
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +73,7 @@ class RedisIndexReader(PrefixIndex):
         self.store = RedisIndexStore(_client(config), config.prefix)
         self.stats = IndexStats()
         self.table: dict[str, WorkerEntry] = {}
+        self.table_at = -math.inf
         self.answer: dict[Hashable, int] = {}
         self.lookups = self.failures = self.fallbacks = 0
         self.lookup_seconds = 0.0
@@ -105,17 +107,19 @@ class RedisIndexReader(PrefixIndex):
         self.fallbacks += 1
 
     async def _lookup(self, token_ids: Sequence[int], namespace: str) -> dict[Hashable, int]:
-        if not self.table:
-            self.table = await self.store.workers()
+        now = asyncio.get_running_loop().time()
+        if now - self.table_at > TABLE_REFRESH_S:  # workers and block sizes, once a second
+            self.table, self.table_at = await self.store.workers(), now
         sizes = sorted({e.block_size for e in self.table.values() if e.block_size > 0})
         blobs = [key_blob(block_keys(token_ids, bs, namespace)) for bs in sizes]
-        timeout = self.config.timeout_ms / 1000
-        depths, self.table = await asyncio.wait_for(self.store.lookup_in(blobs), timeout)
+        depths = await self.store.lookup(blobs)  # the client's socket timeout bounds it
         out: dict[Hashable, int] = {}
         for url, entry in self.table.items():
             wid = self.resolve(url)
             if wid is not None and entry.block_size > 0:  # registered: known, even with 0 hits
                 out[wid] = depths.get(url, 0) * entry.block_size
+        if any(url not in self.table for url in depths):
+            self.table_at = -math.inf  # a worker registered since: read the table next time
         return out
 
     def metric_lines(self, prefix: str) -> list[str]:

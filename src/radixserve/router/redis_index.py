@@ -25,7 +25,8 @@ Lookup: ``EVALSHA`` of `LOOKUP_LUA` with KEYS = [``P:wurl``] and ARGV = [``P:b:`
 block keys in order, concatenated (16 hex digits each)] returns a flat list ``[url, blocks,
 url, blocks, ...]``: each worker's longest contiguous cached prefix, in blocks, for every
 worker that holds block 1. (One string argument, not one key per block: redis-py spends
-about 5 us packing each argument, more than the script spends walking the block.)
+about 5 us packing each argument, more than the script spends walking the block.) A router
+reads ``P:workers`` (who is indexed, at which block size) once a second besides.
 Workers with different block sizes need one key list each; they go in one pipeline, so a
 lookup is one round trip whatever the fleet. (Redis Cluster would need a hash tag in ``P``.)
 """
@@ -202,43 +203,25 @@ class RedisIndexStore:
     async def lookup(self, blobs: Sequence[str]) -> dict[str, int]:
         """Longest contiguous prefix, in blocks, per worker URL, for each `key_blob` (one per
         block size in the fleet), in one round trip."""
-        return (await self._lookup(blobs, with_table=False))[0]
-
-    async def lookup_in(
-        self, blobs: Sequence[str]
-    ) -> tuple[dict[str, int], dict[str, WorkerEntry]]:
-        """`lookup` and the worker table together, in one pipelined round trip: a router
-        learns new workers and block sizes from the same answer."""
-        return await self._lookup(blobs, with_table=True)
-
-    async def _lookup(
-        self, blobs: Sequence[str], with_table: bool
-    ) -> tuple[dict[str, int], dict[str, WorkerEntry]]:
         blobs = [b for b in blobs if b]
-        if not blobs and not with_table:
-            return {}, {}
+        if not blobs:
+            return {}
         try:
-            replies = await self._evalsha_all(blobs, with_table)
+            replies = await self._evalsha_all(blobs)
         except NoScriptError:  # a restarted Redis forgot the script: load it once, ask again
             await self.client.script_load(LOOKUP_LUA)
-            replies = await self._evalsha_all(blobs, with_table)
-        table = {}
-        if with_table:
-            table = {_s(url): _entry(_s(url), meta) for url, meta in replies.pop().items()}
-        depths = {_s(url): int(d) for flat in replies for url, d in _pairs(flat)}
-        return depths, table
+            replies = await self._evalsha_all(blobs)
+        return {_s(url): int(d) for flat in replies for url, d in _pairs(flat)}
 
-    async def _evalsha_all(self, blobs: list[str], with_table: bool) -> list[Any]:
+    async def _evalsha_all(self, blobs: list[str]) -> list[Any]:
         # EVALSHA directly, not redis-py's Script in a pipeline: that adds a SCRIPT EXISTS
-        # round trip to every call.
+        # round trip to every call; and no pipeline at all for the usual single block size.
         args = (self._lookup_sha, 1, self.keys.wurl, self.keys.block_prefix)
-        if len(blobs) == 1 and not with_table:
+        if len(blobs) == 1:
             return [await self.client.evalsha(*args, blobs[0])]
         async with self.client.pipeline(transaction=False) as pipe:
             for blob in blobs:
                 pipe.evalsha(*args, blob)
-            if with_table:
-                pipe.hgetall(self.keys.workers)
             return await pipe.execute()
 
 
