@@ -184,6 +184,8 @@ def test_kv_pressure_removes_blocks_and_the_snapshot_matches_the_stream(fleet):
         assert len(b["token_ids"]) == BLOCK
     last = prompts[-1]
     assert set(block_hashes(last, BLOCK, "xxhash64")) <= held, "the newest prompt is cached"
+    metrics = server.get("/metrics").body.decode()
+    assert f"radixserve_kv_events_blocks {float(len(held))}" in metrics
 
 
 def test_flush_cache_announces_all_blocks_cleared_and_empties_the_snapshot(fleet):
@@ -197,8 +199,10 @@ def test_flush_cache_announces_all_blocks_cleared_and_empties_the_snapshot(fleet
 
 def test_replay_resends_a_range_then_the_end_marker(fleet):
     server, sub, info, ctx = fleet
-    run(server, list(range(600, 630)))
-    sub.until(lambda: len(sub.batches) >= 3)
+    mark = len(sub.batches)
+    for i in range(3):
+        run(server, list(range(600 + 100 * i, 630 + 100 * i)))
+    sub.until(lambda: len(sub.batches) >= mark + 3)
     start = sub.batches[-3][0]
     top = sub.batches[-1][0]
     # vLLM's framing: a delimiter frame, answered [b"", seq, payload] ... [b"", -1, b""]
@@ -228,6 +232,22 @@ def recv_replay(sock: zmq.Socket) -> list[list[bytes]]:
     return out
 
 
+def test_the_null_publisher_tracks_blocks_and_sends_nothing():
+    cfg = {"publisher": "null", "block_size": 2}
+    server = ServerProcess(["--sim", "tiny-cpu", "--kv-events-config", json.dumps(cfg)])
+    try:
+        info = server.get("/get_server_info").json()["kv_events"]
+        assert info["publisher"] == "null" and info["endpoint"] is None
+        run(server, [1, 2, 3, 4, 5])
+        server.wait_idle()
+        snap = server.get("/kv_events/snapshot").json()
+        assert [b["block_hash"] for b in snap["blocks"]] == block_hashes(
+            [1, 2, 3, 4], 2, "xxhash64"
+        )
+    finally:
+        server.stop()
+
+
 def test_snapshot_is_refused_without_kv_events():
     server = ServerProcess(["--sim", "tiny-cpu"])
     try:
@@ -242,8 +262,10 @@ def test_snapshot_is_refused_without_kv_events():
     "config,message",
     [
         ('{"endpont": "tcp://*:1"}', "unknown key(s) endpont"),
-        ('{"block_size": "16"}', "block_size must be a int"),
+        ('{"block_size": "16"}', "block_size must be of type int"),
         ('{"publisher": "kafka"}', 'publisher must be "zmq" or "null"'),
+        ('{"hash_seed": -1}', "hash_seed must be in [0, 2**64)"),
+        ('{"hash_algo": "md5"}', "hash_algo must be one of"),
         ("[1]", "must be a JSON object"),
         ("{", "not valid JSON"),
     ],
@@ -252,7 +274,7 @@ def test_bad_configs_are_one_line_cli_errors(config, message):
     cmd = [sys.executable, "-m", "radixserve", "serve", "--sim", "tiny-cpu", "--port", "0",
            "--kv-events-config", config]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and f"--kv-events-config: {message}" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
@@ -267,3 +289,24 @@ def test_an_address_in_use_fails_the_start_in_one_line():
         blocker.close(0)
     assert proc.returncode == 1 and "--kv-events-config" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_the_python_engine_takes_the_same_config():
+    from radixserve.engine.engine import Engine
+
+    with pytest.raises(ValueError, match="unknown key"):
+        Engine(sim="tiny-cpu", kv_events_config={"endpoit": "x"})
+    cfg = {"endpoint": "tcp://127.0.0.1:*", "block_size": BLOCK, "topic": "kv-test"}
+    with Engine(sim="tiny-cpu", kv_events_config=cfg) as engine:
+        ctx = zmq.Context()
+        try:
+            sub = Subscriber(ctx, engine.procs.info["kv_events"]["endpoint"])
+            deadline = time.monotonic() + 30
+            while not sub.poll(0.3):
+                assert time.monotonic() < deadline
+                engine.flush_cache()
+            engine.generate(input_ids=list(range(40, 49)), sampling_params=greedy())
+            want = block_hashes(list(range(40, 49)), BLOCK, "xxhash64")
+            sub.until(lambda: set(want) <= set(stored(sub.events())))
+        finally:
+            ctx.destroy(0)

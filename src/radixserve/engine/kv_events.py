@@ -46,7 +46,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from radixserve.cache.block_events import BlockTracker
+from radixserve.cache.block_events import BlockTracker, KVEvent
 from radixserve.cache.hashing import ALGORITHMS
 from radixserve.cache.radix import RadixCache
 
@@ -69,7 +69,7 @@ class KVEventsConfig:
     endpoint: str = _f("tcp://*:5557", "PUB address (bound if it has * or ::, else connected)")
     replay_endpoint: str | None = _f(None, "ROUTER address answering replay requests")
     buffer_steps: int = _f(10_000, "batches kept for replay")
-    hwm: int = _f(100_000, "ZeroMQ high-water mark of the PUB socket")
+    hwm: int = _f(100_000, "ZeroMQ high-water mark of the PUB socket (0: no limit)")
     max_queue_size: int = _f(100_000, "batches queued for the publisher thread before dropping")
     topic: str = _f("", "first frame of every published message")
     block_size: int = _f(16, "tokens per announced block (a multiple of the page size)")
@@ -81,9 +81,13 @@ class KVEventsConfig:
             raise ValueError(f'publisher must be "zmq" or "null", got {self.publisher!r}')
         if self.hash_algo not in ALGORITHMS:
             raise ValueError(f"hash_algo must be one of {sorted(ALGORITHMS)}")
-        for name in ("buffer_steps", "hwm", "max_queue_size", "block_size"):
+        for name in ("buffer_steps", "max_queue_size", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.hash_seed < 2**64:
+            raise ValueError(f"hash_seed must be in [0, 2**64), got {self.hash_seed}")
+        if self.hwm < 0:
+            raise ValueError(f"hwm must be >= 0 (0: no limit), got {self.hwm}")
 
     @property
     def publishing(self) -> bool:
@@ -95,9 +99,9 @@ class KVEventsConfig:
         try:
             data = json.loads(text) if isinstance(text, str) else dict(text)
         except ValueError as e:
-            raise ValueError(f"--kv-events-config is not valid JSON: {e}") from None
+            raise ValueError(f"--kv-events-config: not valid JSON: {e}") from None
         if not isinstance(data, dict):
-            raise ValueError("--kv-events-config must be a JSON object")
+            raise ValueError("--kv-events-config: must be a JSON object")
         fields = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - set(fields))
         if unknown:
@@ -105,7 +109,10 @@ class KVEventsConfig:
                              f"known: {', '.join(fields)}")  # fmt: skip
         for key, value in data.items():
             _check_type(key, value, fields[key].default)
-        return cls(**data)
+        try:
+            return cls(**data)
+        except ValueError as e:
+            raise ValueError(f"--kv-events-config: {e}") from None
 
     def check_page_size(self, page_size: int) -> None:
         if self.block_size % page_size:
@@ -123,12 +130,24 @@ def _check_type(key: str, value: Any, default: Any) -> None:
     else:
         ok = isinstance(value, str)
     if not ok:
-        raise ValueError(f"--kv-events-config: {key} must be a {type(default).__name__}, "
+        raise ValueError(f"--kv-events-config: {key} must be of type {type(default).__name__}, "
                          f"got {value!r}")  # fmt: skip
 
 
 def _binds(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def _attach(sock: zmq.Socket, endpoint: str, bind: bool) -> str:
+    """Bind or connect; the address bound (a ``*`` port resolved), or the one connected to."""
+    try:
+        if not bind:
+            sock.connect(endpoint)
+            return endpoint
+        sock.bind(endpoint)
+    except zmq.ZMQError as e:
+        raise ValueError(f"cannot {'bind' if bind else 'connect to'} {endpoint}: {e}") from None
+    return sock.last_endpoint.decode()
 
 
 class ZmqPublisher:
@@ -152,17 +171,12 @@ class ZmqPublisher:
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(cfg.hwm)
         self._pub.linger = 0
-        if _binds(cfg.endpoint):
-            self._pub.bind(cfg.endpoint)
-        else:
-            self._pub.connect(cfg.endpoint)
-        endpoint = self._pub.last_endpoint.decode() if _binds(cfg.endpoint) else cfg.endpoint
+        endpoint = _attach(self._pub, cfg.endpoint, _binds(cfg.endpoint))
         self._replay = replay = None
         if cfg.replay_endpoint is not None:
             self._replay = self._ctx.socket(zmq.ROUTER)
             self._replay.linger = 0
-            self._replay.bind(cfg.replay_endpoint)
-            replay = self._replay.last_endpoint.decode()
+            replay = _attach(self._replay, cfg.replay_endpoint, True)
         # the engine thread's end of the queue to the publisher thread
         inbox = f"inproc://kv-events-{id(self)}"
         self._in = self._ctx.socket(zmq.PAIR)
@@ -230,6 +244,11 @@ class ZmqPublisher:
         self._replay.send_multipart([client, b"", END_SEQ, b""])
 
 
+def encode_batch(ts: float, events: list[KVEvent]) -> bytes:
+    """One message payload: msgpack of ``[ts, events, data_parallel_rank 0]``."""
+    return msgpack.packb([ts, [e.wire() for e in events], 0], use_bin_type=True)
+
+
 class KVEventPlane:
     """The scheduler process's side: a BlockTracker on the cache, and a publisher it feeds one
     batch per step (``flush``)."""
@@ -259,8 +278,7 @@ class KVEventPlane:
         self.seq += 1
         self.events_sent += len(events)
         if self.publisher is not None:
-            batch = [time.time(), [e.wire() for e in events], 0]
-            self.publisher.publish(self.seq, msgpack.packb(batch, use_bin_type=True))
+            self.publisher.publish(self.seq, encode_batch(time.time(), events))
         return len(events)
 
     def cleared(self) -> None:
@@ -275,8 +293,10 @@ class KVEventPlane:
                 "hash_seed": cfg.hash_seed, "blocks": list(self.tracker.blocks())}  # fmt: skip
 
     def stats(self) -> dict[str, Any]:
-        return {"seq": self.seq, "events": self.events_sent, "blocks": self.tracker.num_blocks,
-                "dropped_batches": self.publisher.dropped if self.publisher else 0}  # fmt: skip
+        """Counters for /metrics and /get_server_info (keys prefixed, beside the scheduler's)."""
+        return {"kv_events_seq": self.seq, "kv_events_sent": self.events_sent,
+                "kv_events_blocks": self.tracker.num_blocks,
+                "kv_events_dropped_batches": self.publisher.dropped if self.publisher else 0}  # fmt: skip
 
     def close(self) -> None:
         if self.publisher is not None:

@@ -81,6 +81,8 @@ class Worker:
             return self.scheduler.stats()
         if msg.op == "kv_events_snapshot":
             return self.events.snapshot() if self.events is not None else None
+        if msg.op == "kv_events_stats":
+            return self.events.stats() if self.events is not None else {}
         return {"error": f"unknown control op {msg.op!r}"}
 
     def drain(self, block_ms: int | None) -> None:

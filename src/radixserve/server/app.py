@@ -71,7 +71,10 @@ async def _stats(state: ServerState) -> dict[str, Any] | None:
     if state.dead():
         return None
     try:
-        return stats_dict(await state.tm.control("stats", timeout=STATS_TIMEOUT_S))
+        stats = stats_dict(await state.tm.control("stats", timeout=STATS_TIMEOUT_S))
+        if state.engine.info.get("kv_events") is not None:  # the publisher's counters
+            stats |= await state.tm.control("kv_events_stats", timeout=STATS_TIMEOUT_S)
+        return stats
     except (RequestError, asyncio.TimeoutError):
         return None
 

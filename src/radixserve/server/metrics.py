@@ -23,6 +23,14 @@ ENGINE_GAUGES = {
     "kv_usage": ("token_usage", "share of the KV pool held by requests or locked in the cache"),
     "cache_hit_rate": ("cache_hit_rate", "cached prompt tokens / prompt tokens, since start"),
     "num_retracted": ("num_retracted_reqs", "requests retracted for KV since start"),
+    # with --kv-events-config only
+    "kv_events_blocks": ("kv_events_blocks", "full blocks announced and not removed"),
+    "kv_events_sent": ("kv_events_sent", "KV events published since start"),
+    "kv_events_seq": ("kv_events_seq", "sequence number of the last KV-event batch"),
+    "kv_events_dropped_batches": (
+        "kv_events_dropped_batches",
+        "KV-event batches dropped on a full publisher queue",
+    ),
 }
 
 
