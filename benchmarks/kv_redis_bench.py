@@ -1,7 +1,8 @@
 """Shared KV index in Redis: what it costs the router and what it costs Redis.
 
-    python benchmarks/kv_redis_bench.py            # about 2-3 minutes on 2 cores
+    python benchmarks/kv_redis_bench.py            # about 10 minutes on a busy 2-core VM
     python benchmarks/kv_redis_bench.py --quick    # a fifth of the work
+    python benchmarks/kv_redis_bench.py --only decision memory
 
 1. Routing decision, in process: parse the request, (Redis: one EVALSHA round trip to a local
    redis-server), select, dispatch hooks; p50/p99 per decision for kv_aware on Redis, kv_aware
@@ -86,7 +87,9 @@ async def fill(url: str, worker_ids: list[str], length: int) -> RedisIndexWriter
 # ----- 1. decision cost -----
 
 
-async def decisions(redis_url: str, length: int, n: int) -> dict[str, list[float]]:
+async def decisions(redis_url: str, length: int, n: int) -> tuple[dict[str, list[float]], float]:
+    """Per target, seconds per decision; and Redis' own time per lookup (commandstats), apart
+    from the time the router spends waiting for a Redis process that shares its cores."""
     ids = [f"http://w{i}" for i in range(WORKERS)]
     views = [WorkerView(w) for w in ids]
     await fill(redis_url, ids, length)
@@ -98,6 +101,7 @@ async def decisions(redis_url: str, length: int, n: int) -> dict[str, list[float
                "kv_aware memory": KvAwarePolicy(index=memory), "cache_aware": CacheAwarePolicy()}  # fmt: skip
     bodies = [json.dumps(payload(i % GROUPS, i, length)).encode() for i in range(n)]
     times: dict[str, list[float]] = {t: [] for t in targets}
+    await reader.store.client.config_resetstat()
     for i, body in enumerate(bodies):  # interleaved: a neighbour's burst hits all alike
         for name, policy in targets.items():
             t0 = time.perf_counter()
@@ -108,8 +112,9 @@ async def decisions(redis_url: str, length: int, n: int) -> dict[str, list[float
             policy.on_dispatch(views[pick].id, view, float(i))
             policy.on_complete(views[pick].id, view, float(i))
             times[name].append(time.perf_counter() - t0)
+    stats = (await reader.store.client.info("commandstats")).get("cmdstat_evalsha", {})
     await reader.close()
-    return times
+    return times, float(stats.get("usec_per_call", 0.0))
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -117,12 +122,14 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] * 1e6
 
 
-def print_decisions(length: int, times: dict[str, list[float]]) -> None:
+def print_decisions(length: int, result: tuple[dict[str, list[float]], float]) -> None:
+    times, server_us = result
     base = statistics.median(times["kv_aware memory"])
     for name, xs in times.items():
         p50 = statistics.median(xs)
         print(f"{name:<18}{length:>8}{p50 * 1e6:>10.0f}{pct(xs, 0.99):>10.0f}"
               f"{p50 / base:>16.2f}x", flush=True)  # fmt: skip
+    print(f"{'(Redis server time per lookup, INFO commandstats)':<54}{server_us:>8.0f} us")
 
 
 # ----- 2. router requests/s -----
@@ -250,47 +257,64 @@ async def ingestion(url: str, n: int) -> tuple[float, float, int]:
     return n / redis_s, n / mem_s, sum(len(e) for _, e in batches)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args()
-    k = 5 if args.quick else 1
-    print(machine_line())
-    server = RedisServer()
+def section_decisions(server: RedisServer, k: int) -> None:
+    print(f"\n== 1. routing decision, in process: {GROUPS} groups on {WORKERS} workers, "
+          f"{2000 // k} decisions per target, interleaved ==")  # fmt: skip
+    print(f"{'target':<18}{'tokens':>8}{'p50 us':>10}{'p99 us':>10}{'vs kv memory':>17}")
+    for length in (2000, 8000):
+        print_decisions(length, asyncio.run(decisions(server.url, length, 2000 // k)))
+
+
+def section_throughput(server: RedisServer, k: int) -> None:
     procs, urls = start_workers(WORKERS)
+    rounds, n = 3, 2000 // k
     try:
-        print(f"\n== 1. routing decision, in process: {GROUPS} groups on {WORKERS} workers, "
-              f"{2000 // k} decisions per target, interleaved ==")  # fmt: skip
-        print(f"{'target':<18}{'tokens':>8}{'p50 us':>10}{'p99 us':>10}{'vs kv memory':>17}")
-        for length in (2000, 8000):
-            print_decisions(length, asyncio.run(decisions(server.url, length, 2000 // k)))
-        rounds, n = 3, 2000 // k
         print(f"\n== 2. router requests/s: {WORKERS} fake workers, token-id prompts, "
               f"concurrency 32, median of {rounds} rounds of {n} ==")  # fmt: skip
         print(f"{'target':<18}{'tokens':>8}{'req/s':>8}{'p50 ms':>9}{'p99 ms':>9}"
               f"{'CPU us/req':>12}{'vs cache_aware':>16}")  # fmt: skip
         for length in (2000, 8000):
             print_throughput(length, throughput(server.url, urls, length, n, rounds))
-        blocks = 1_000_000 // k
-        print(f"\n== 3. Redis memory: {blocks:,} blocks written by the kv-indexer's writer ==")
-        for holders in (1, 2):
-            mib = asyncio.run(memory_per_million(server.url, blocks, holders))
-            print(f"{holders} holder(s) per block: {mib:.0f} MiB per million blocks", flush=True)
-        n = 20_000 // k
-        redis_rate, mem_rate, events = asyncio.run(ingestion(server.url, n))
-        print(f"\n== 4. ingestion: {n:,} engine-step batches ({events:,} events, 4 blocks "
-              f"stored per batch, removals every 8th) ==")  # fmt: skip
-        print(
-            f"kv-indexer -> Redis : {redis_rate:>9,.0f} batches/s "
-            f"({redis_rate * events / n:,.0f} events/s, {redis_rate * 4:,.0f} blocks/s)"
-        )
-        print(
-            f"in-memory index     : {mem_rate:>9,.0f} batches/s  "
-            f"(Redis / memory: {redis_rate / mem_rate:.2f}x)"
-        )
     finally:
         for p in procs:
             p.terminate()
+
+
+def section_memory(server: RedisServer, k: int) -> None:
+    blocks = 1_000_000 // k
+    print(f"\n== 3. Redis memory: {blocks:,} blocks written by the kv-indexer's writer ==")
+    for holders in (1, 2):
+        mib = asyncio.run(memory_per_million(server.url, blocks, holders))
+        print(f"{holders} holder(s) per block: {mib:.0f} MiB per million blocks", flush=True)
+
+
+def section_ingestion(server: RedisServer, k: int) -> None:
+    n = 20_000 // k
+    redis_rate, mem_rate, events = asyncio.run(ingestion(server.url, n))
+    print(f"\n== 4. ingestion: {n:,} engine-step batches ({events:,} events, 4 blocks "
+          f"stored per batch, removals every 8th) ==")  # fmt: skip
+    print(f"kv-indexer -> Redis : {redis_rate:>9,.0f} batches/s "
+          f"({redis_rate * events / n:,.0f} events/s, {redis_rate * 4:,.0f} blocks/s)")  # fmt: skip
+    print(f"in-memory index     : {mem_rate:>9,.0f} batches/s  "
+          f"(Redis / memory: {redis_rate / mem_rate:.2f}x)")  # fmt: skip
+
+
+SECTIONS = {"decision": section_decisions, "throughput": section_throughput,
+            "memory": section_memory, "ingestion": section_ingestion}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a fifth of the work")
+    ap.add_argument("--only", choices=sorted(SECTIONS), nargs="*", help="run only these")
+    args = ap.parse_args()
+    print(machine_line())
+    server = RedisServer()
+    try:
+        for name, section in SECTIONS.items():
+            if not args.only or name in args.only:
+                section(server, 5 if args.quick else 1)
+    finally:
         server.stop()
 
 
