@@ -30,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -166,10 +167,20 @@ def throughput(redis_url: str, urls: list[str], length: int, n: int, rounds: int
                 if r:
                     res["us"] = (cpu_secs(router.proc.pid) - cpu) / n * 1e6
                     rows[name].append(res)
+        fell_back = router_metric(routers["kv_aware redis"].url, "kvs_fallback_decisions_total")
+        rows["kv_aware redis"][-1]["note"] = f"{fell_back:.0f} decisions fell back to the tree"
     finally:
         for router in routers.values():
             router.stop()
     return rows
+
+
+def router_metric(url: str, name: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith(f"radixserve_router_{name} "):
+                return float(line.split()[-1])
+    return float("nan")
 
 
 def print_throughput(length: int, rows: dict[str, list[dict]]) -> None:
@@ -179,7 +190,8 @@ def print_throughput(length: int, rows: dict[str, list[dict]]) -> None:
         med = {k: statistics.median(r[k] for r in rs) for k in ("rps", "p50", "p99", "us")}
         errs = sum(sum(r["errors"].values()) for r in rs)
         print(f"{name:<18}{length:>8}{med['rps']:>8.0f}{med['p50']:>9.2f}{med['p99']:>9.2f}"
-              f"{med['us']:>12.0f}{ratio:>15.2f}x  {errs or ''}", flush=True)  # fmt: skip
+              f"{med['us']:>12.0f}{ratio:>15.2f}x  {errs or ''}{rs[-1].get('note', '')}",
+              flush=True)  # fmt: skip
 
 
 # ----- 3. Redis memory, 4. ingestion -----

@@ -77,7 +77,11 @@ class RouterConfig:
         "kv_aware on Redis: seconds a down service is left alone (routing falls back to the "
         "approximate tree) before it is tried again",
     )
-    kvs_timeout_ms: float = _f(200.0, "kv_aware on Redis: a lookup slower than this failed")
+    kvs_timeout_ms: float = _f(
+        500.0,
+        "kv_aware on Redis: a lookup slower than this failed (keep it above the router's own "
+        "p99 latency: a saturated router reads replies late)",
+    )
     tokenizer: str | None = _f(
         None,
         "kv_aware: the workers' tokenizer (model dir or GGUF; default: what the workers report "

@@ -40,7 +40,7 @@ class KvsConfig:
     retry_times: int = 5
     retry_interval_ms: float = 100.0
     down_duration_s: float = 30.0
-    timeout_ms: float = 200.0
+    timeout_ms: float = 500.0
     prefix: str = "radixserve"
 
 
