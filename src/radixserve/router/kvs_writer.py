@@ -5,7 +5,7 @@ Owns the mirror of what each worker holds, the per-batch diffs, and their ordere
 # what they mean in the router's in-memory index, so the in-memory index computes them and this
 # class only turns each batch's change into Redis writes. `apply` stays synchronous (the
 # subscribers call it, as they call the in-memory index) and queues the diff; one task writes
-# the queue in order, one MULTI/EXEC per batch. When Redis fails or restarts empty, the mirror
+# the queue in order, one atomic write per batch. When Redis fails or restarts empty, the mirror
 # is the truth: every worker is rewritten in full once Redis answers again.
 
 from __future__ import annotations
@@ -210,7 +210,12 @@ def _touched(events: Sequence[Event]) -> list[EngineHash]:
 
 
 def _h(engine_hash: EngineHash) -> str:
-    return engine_hash.hex() if isinstance(engine_hash, bytes) else str(engine_hash)
+    """An engine hash as a field of ``P:m:<n>``: decimal, or hex for bytes (and for the rare
+    string hash with white space in it, which the write script splits on)."""
+    if isinstance(engine_hash, bytes):
+        return engine_hash.hex()
+    text = str(engine_hash)
+    return text if not any(c.isspace() for c in text) else "x" + text.encode().hex()
 
 
 def _diff(state: Any, old: dict[EngineHash, BlockKey | None], touched: list) -> BlockDiff:

@@ -20,7 +20,8 @@ Schema (``P`` is the key prefix, ``radixserve`` by default; every value is a str
                  be dropped completely.
 
 A worker ``n`` holds block ``<key>`` exactly when ``n`` is in ``P:b:<key>`` and ``<key>`` is a
-value of ``P:m:<n>``; every write keeps both in one MULTI/EXEC transaction per event batch.
+value of ``P:m:<n>``; every write keeps both, in one atomic script (`WRITE_LUA`) per event batch
+or per run of batches that queued up meanwhile.
 Lookup: ``EVALSHA`` of `LOOKUP_LUA` with KEYS = [``P:wurl``] and ARGV = [``P:b:``, the prompt's
 block keys in order, concatenated (16 hex digits each)] returns a flat list ``[url, blocks,
 url, blocks, ...]``: each worker's longest contiguous cached prefix, in blocks, for every
@@ -64,6 +65,26 @@ for m, d in pairs(depth) do
   if url then out[#out + 1] = url; out[#out + 1] = d end
 end
 return out
+"""
+
+# ARGV = [P:b:, P:m:, then per batch: n, cleared "1"/"0", keys held now (16 hex digits each,
+# concatenated), keys no longer held (same), "engine_hash key ..." to map, "engine_hash ..." to
+# unmap]. One script per group of batches: atomic, and one command for redis-py to pack.
+WRITE_LUA = """
+local bp, mp = ARGV[1], ARGV[2]
+for i = 3, #ARGV, 6 do
+  local n, owned = ARGV[i], mp .. ARGV[i]
+  if ARGV[i + 1] == '1' then
+    for _, k in ipairs(redis.call('HVALS', owned)) do redis.call('SREM', bp .. k, n) end
+    redis.call('DEL', owned)
+  end
+  local rel, hold = ARGV[i + 3], ARGV[i + 2]
+  for j = 1, #rel, 16 do redis.call('SREM', bp .. string.sub(rel, j, j + 15), n) end
+  for eh in string.gmatch(ARGV[i + 5], '%S+') do redis.call('HDEL', owned, eh) end
+  for j = 1, #hold, 16 do redis.call('SADD', bp .. string.sub(hold, j, j + 15), n) end
+  for eh, k in string.gmatch(ARGV[i + 4], '(%S+) (%S+)') do redis.call('HSET', owned, eh, k) end
+end
+return 1
 """
 
 # KEYS = [P:m:<n>, P:workers, P:wurl]; ARGV = [n, block key prefix "P:b:", url or "" to keep
@@ -132,6 +153,7 @@ class RedisIndexStore:
         self.client, self.keys = client, Schema(prefix)
         self._drop = client.register_script(DROP_LUA)
         self._lookup_sha = hashlib.sha1(LOOKUP_LUA.encode()).hexdigest()
+        self._write_sha = hashlib.sha1(WRITE_LUA.encode()).hexdigest()
 
     async def workers(self) -> dict[str, WorkerEntry]:
         raw = await self.client.hgetall(self.keys.workers)
@@ -149,29 +171,22 @@ class RedisIndexStore:
         return entry
 
     async def write(self, entry: WorkerEntry, diff: BlockDiff) -> None:
-        """Apply one batch's diff in one MULTI/EXEC."""
+        """Apply one batch's diff atomically."""
         await self.write_many([(entry, diff)])
 
     async def write_many(self, diffs: Sequence[tuple[WorkerEntry, BlockDiff]]) -> None:
-        """Apply consecutive batches' diffs, in order, in one MULTI/EXEC (one round trip):
-        a reader sees all of them or none, never part of a batch."""
-        k = self.keys
-        if any(diff.cleared for _, diff in diffs):  # missing inside MULTI, it would fail alone
-            await self.client.script_load(DROP_LUA)
-        async with self.client.pipeline(transaction=True) as pipe:
-            for entry, diff in diffs:
-                owned, n = k.owned(entry.n), entry.n
-                if diff.cleared:
-                    pipe.evalsha(self._drop.sha, 3, owned, k.workers, k.wurl, n, k.block_prefix, "")
-                for key in diff.release:
-                    pipe.srem(k.block(key), n)
-                if diff.unmapped:
-                    pipe.hdel(owned, *diff.unmapped)
-                for key in diff.hold:
-                    pipe.sadd(k.block(key), n)
-                if diff.mapped:
-                    pipe.hset(owned, mapping=dict(diff.mapped))
-            await pipe.execute()
+        """Apply consecutive batches' diffs, in order, in one script (one round trip, one
+        command): a reader sees all of them or none, never part of a batch."""
+        args: list[str | int] = [self.keys.block_prefix, f"{self.keys.prefix}:m:"]
+        for entry, d in diffs:
+            mapped = " ".join(f"{eh} {key}" for eh, key in d.mapped)
+            args += [entry.n, int(d.cleared), "".join(d.hold), "".join(d.release), mapped,
+                     " ".join(d.unmapped)]  # fmt: skip
+        try:
+            await self.client.evalsha(self._write_sha, 0, *args)
+        except NoScriptError:  # nothing ran: load the script and send the same again
+            await self.client.script_load(WRITE_LUA)
+            await self.client.evalsha(self._write_sha, 0, *args)
 
     async def clear_prefix(self) -> int:
         """Delete every key under the prefix (the indexer owns it); returns how many."""
