@@ -52,7 +52,10 @@ async def serve(config: RouterConfig) -> None:
     """Run a Router with `config` until the process is told to stop."""
     from radixserve.router.app import Router  # the HTTP stack is an optional extra
 
-    router = Router(config)
+    try:
+        router = Router(config)  # kv_aware with --tokenizer loads it here
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"radixserve route: error: {exc}") from None
     port = await router.start()
     # The prefix tree holds millions of long-lived objects that the cyclic GC would rescan over
     # and over; rarer young-generation passes cut the router's CPU per request by about 8%.

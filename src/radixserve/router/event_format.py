@@ -18,6 +18,7 @@ Pure: bytes in, plain data out. The subscriber (events.py) receives the bytes; t
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,7 +43,7 @@ class BlockStored:
 
     block_hashes: tuple[EngineHash, ...]
     parent_block_hash: EngineHash | None
-    token_ids: tuple[int, ...]
+    token_ids: Sequence[int]
     block_size: int
     namespace: str = ""
     medium: str | None = None
@@ -162,9 +163,10 @@ def _array_fields(kind: str, values: Sequence[Any]) -> dict[str, Any]:
 
 def _stored(f: dict[str, Any]) -> BlockStored:
     hashes = _hashes(f.get("block_hashes"))
-    tokens = f.get("token_ids")
-    if not isinstance(tokens, list | tuple) or not all(isinstance(t, int) for t in tokens):
-        raise EventFormatError("BlockStored.token_ids must be a list of ints")
+    try:  # one C pass checks and packs them
+        tokens = array("q", f.get("token_ids"))  # type: ignore[arg-type]
+    except (TypeError, OverflowError):
+        raise EventFormatError("BlockStored.token_ids must be a list of 64-bit ints") from None
     size = f.get("block_size")
     if not isinstance(size, int) or size < 1:
         raise EventFormatError("BlockStored.block_size must be a positive int")
@@ -172,7 +174,7 @@ def _stored(f: dict[str, Any]) -> BlockStored:
     if parent is not None and not isinstance(parent, int | bytes | str):
         raise EventFormatError("BlockStored.parent_block_hash must be a hash or null")
     ns = event_namespace(f.get("lora_name"), f.get("extra_keys"), len(hashes))
-    return BlockStored(hashes, parent, tuple(tokens), size, ns, _medium(f))
+    return BlockStored(hashes, parent, tokens, size, ns, _medium(f))
 
 
 def _hashes(value: Any) -> tuple[EngineHash, ...]:

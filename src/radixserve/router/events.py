@@ -9,9 +9,10 @@ PrefixIndex; EventPlane starts and stops them as workers come and go and reports
 #
 # What the index may believe is what this file protects. A missed BlockRemoved would leave the
 # router expecting hits a worker cannot serve, so every way of losing events ends in dropping
-# the worker's entries (the policy then scores it from its approximate tree) until fresh events
-# arrive: a gap the replay buffer no longer covers, a malformed batch, seq going back (the
-# publisher restarted: its cache is empty), the worker removed or failing health checks. A
+# the worker's entries until fresh events arrive: a gap the replay buffer no longer covers, a
+# malformed batch, seq going back (the publisher restarted: its cache is empty), the PUB
+# connection dropping and coming back (rebuilt from the replay buffer: a restart can go unseen
+# by seq alone), the worker removed or failing health checks. A
 # missed BlockStored is harmless (an underestimate), so at subscription the history is replayed
 # from seq 0 as far as the buffer reaches (batches published meanwhile, arriving twice, are
 # skipped), and older blocks stay unknown.
@@ -32,6 +33,7 @@ from urllib.parse import urlsplit
 
 import zmq
 import zmq.asyncio
+import zmq.utils.monitor
 
 from radixserve.router.event_format import EventFormatError, parse_payload
 from radixserve.router.index import PrefixIndex
@@ -89,6 +91,7 @@ class SubscriberStats:
     replayed_batches: int = 0
     resyncs: int = 0
     restarts: int = 0
+    reconnects: int = 0
     malformed: int = 0
 
 
@@ -109,6 +112,7 @@ class EventSubscriber:
         self.last_seq: int | None = None
         self._overlap = False
         self._sub_last: int | None = None  # the last seq the SUB socket delivered
+        self._disconnected = False
         self._task: asyncio.Task[None] | None = None
         self.connected = asyncio.Event()
 
@@ -131,25 +135,56 @@ class EventSubscriber:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 100_000)
         sub.setsockopt(zmq.SUBSCRIBE, self.endpoints.topic.encode())
+        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         sub.connect(self.endpoints.endpoint)
+        poller = zmq.asyncio.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         try:
-            # History first: a worker that is idle now publishes nothing to trigger a replay.
-            await self._replay(0, None)
-            self._overlap = self.last_seq is not None
+            await self.resync()  # a worker that is idle now publishes nothing to trigger it
             self.connected.set()
             while True:
-                frames = await sub.recv_multipart()
-                if len(frames) < 2:
-                    self.stats.malformed += 1
-                    continue
-                await self.on_message(_seq(frames[-2]), frames[-1])
+                ready = dict(await poller.poll())
+                if monitor in ready:
+                    await self._on_connection(await monitor.recv_multipart())
+                if sub in ready:
+                    await self._receive(await sub.recv_multipart())
         except asyncio.CancelledError:
             raise
         except Exception:  # a bug here must not kill routing: forget the worker, log, stop
             log.exception("event subscriber of %s failed; its entries are dropped", self.worker)
             self.index.drop_worker(self.worker)
         finally:
+            sub.disable_monitor()
+            monitor.close(0)
             sub.close(0)
+
+    async def _receive(self, frames: list[bytes]) -> None:
+        if len(frames) < 2:
+            self.stats.malformed += 1
+            return
+        await self.on_message(_seq(frames[-2]), frames[-1])
+
+    async def _on_connection(self, frames: list[bytes]) -> None:
+        """The publisher's connection dropped and came back: maybe the same process after a
+        network blip, maybe a new one on the same address (a restart, possibly before a single
+        batch of it arrived). Either way its replay buffer is the truth: start over from it."""
+        event = zmq.utils.monitor.parse_monitor_message(frames)["event"]
+        if event == zmq.EVENT_DISCONNECTED:
+            self._disconnected = True
+        elif event == zmq.EVENT_CONNECTED and self._disconnected:
+            self._disconnected = False
+            self.stats.reconnects += 1
+            log.info("%s: event stream reconnected; resynchronising", self.worker)
+            await self.resync()
+
+    async def resync(self) -> None:
+        """Forget the worker and rebuild it from the publisher's replay buffer (all of it)."""
+        if self.last_seq is not None:
+            self.index.drop_worker(self.worker)
+        self.last_seq = self._sub_last = None
+        await self._replay(0, None)
+        self._overlap = self.last_seq is not None
 
     async def on_message(self, seq: int, payload: bytes) -> None:
         """Apply one published batch, recovering whatever came before it first."""

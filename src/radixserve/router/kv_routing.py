@@ -154,7 +154,16 @@ class KvRouting:
         families: list[tuple[str, str, dict[str, object]]] = [
             ("kv_index_blocks", "gauge", dict(blocks)),
         ]
-        for name in ("events", "batches", "gaps", "replays", "resyncs", "restarts", "malformed"):
+        for name in (
+            "events",
+            "batches",
+            "gaps",
+            "replays",
+            "resyncs",
+            "restarts",
+            "reconnects",
+            "malformed",
+        ):
             families.append((f"kv_events_{name}_total", "counter", dict(stats[name])))
         families.append(("kv_tokenize_errors_total", "counter", {"": self.tokenize_errors}))
         # prompt tokens dispatched, and those the chosen worker held: the router's expectation

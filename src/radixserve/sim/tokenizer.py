@@ -34,9 +34,13 @@ class SimTokenizer:
 
     def _word_id(self, word: str) -> int:
         try:
-            return parse_text(word)[0]
+            token = parse_text(word)[0]
         except (ValueError, KeyError, IndexError):
-            return xxhash.xxh64_intdigest(word.encode()) % (self.vocab_size - 1)
+            token = self.vocab_size
+        if token < self.vocab_size - 1:
+            return token
+        # an ordinary word that happens to read as a rendered id beyond the vocabulary: hash it
+        return xxhash.xxh64_intdigest(word.encode()) % (self.vocab_size - 1)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         if skip_special_tokens:

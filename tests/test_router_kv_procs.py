@@ -1,0 +1,142 @@
+"""`route --policy kv_aware` in front of three `serve --sim` workers that publish KV events (issue
+12, acceptance 5): all real processes, real HTTP and ZeroMQ. What the router expects is read from
+its /metrics (prompt tokens dispatched, and those it expected the chosen worker to hold), where
+each request went from /workers."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import socket
+import time
+
+import pytest
+
+from server_harness import ServerProcess
+from test_router_fleet import RouterProc
+
+pytest.importorskip("httptools")
+
+KV_TOKENS = 1024  # small: a few prompts push a prefix out
+WORDS = 160  # tokens of a prompt (one per word): 10 blocks of 16
+
+
+def events_config(port: int = 0, replay: int = 0) -> str:
+    # vLLM's rule: an address with a wildcard is bound, another connected to
+    where = lambda p: f"tcp://*:{p}" if p else "tcp://127.0.0.1:*"  # noqa: E731
+    return json.dumps({"endpoint": where(port), "replay_endpoint": where(replay)})
+
+
+def worker(*extra: str, port: int = 0, replay: int = 0) -> ServerProcess:
+    return ServerProcess(["--sim", "tiny-cpu", "--max-total-tokens", str(KV_TOKENS),
+                          "--kv-events-config", events_config(port, replay), *extra])  # fmt: skip
+
+
+def prompt(tag: str, n: int = WORDS) -> str:
+    return " ".join(f"{tag}{i}" for i in range(n))
+
+
+def generate(target, text: str) -> None:
+    body = {"text": text, "sampling_params": {"max_new_tokens": 1}}
+    if isinstance(target, RouterProc):
+        status, reply = target.call("POST", "/generate", body)
+    else:
+        reply = target.post("/generate", body)
+        status = reply.status
+    assert status == 200, reply
+
+
+def metrics(router: RouterProc) -> dict[str, float]:
+    conn = http.client.HTTPConnection(router.addr, timeout=10)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    out = {}
+    for line in text.splitlines():
+        if m := re.match(r"radixserve_router_(\S+?)(?:\{\w+=\"(.*)\"\})? (\S+)$", line):
+            name, label, value = m.groups()
+            out[f"{name}@{label}" if label else name] = float(value)
+    return out
+
+
+def expected_hit(router: RouterProc, text: str) -> tuple[float, str]:
+    """Send `text` through the router: (tokens it expected the chosen worker to hold, url)."""
+    before, sent = metrics(router), router.requests_per_worker()
+    generate(router, text)
+    after, now = metrics(router), router.requests_per_worker()
+    [url] = [u for u in now if now[u] != sent.get(u)]
+    key = "kv_expected_hit_tokens_total"
+    return after[key] - before[key], url
+
+
+def wait_for(cond, what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def blocks(router: RouterProc, url: str) -> float:
+    return metrics(router).get(f"kv_index_blocks@{url}", -1)
+
+
+@pytest.fixture
+def procs():
+    started: list = []
+    yield started
+    for p in reversed(started):
+        if p.proc.poll() is None:  # a worker the test stopped itself is gone already
+            p.stop()
+
+
+def test_holder_gets_the_prefix_until_flush_or_pressure_evicts_it(procs):
+    workers = [worker() for _ in range(3)]
+    procs.extend(workers)
+    holder = workers[1]
+    shared = prompt("shared")
+    # served before the router exists: the router learns it by replaying the worker's history
+    generate(holder, shared)
+    router = RouterProc([w.url for w in workers], "--policy", "kv_aware")
+    procs.append(router)
+    wait_for(lambda: blocks(router, holder.url) >= WORDS // 16, "the holder's blocks")
+    for i in range(3):
+        hit, url = expected_hit(router, shared + f" question{i}")
+        assert url == holder.url and hit >= WORDS - 15  # all whole blocks of the prefix
+    # /flush_cache on the worker itself (not through the router): AllBlocksCleared
+    assert holder.post("/flush_cache", b"").status == 200
+    wait_for(lambda: blocks(router, holder.url) == 0, "AllBlocksCleared")
+    hit, url = expected_hit(router, shared + " again")
+    assert hit == 0  # the router's own tree still says the holder has it; the index knows not
+    # KV pressure: other prompts sent straight to the new holder push the prefix out
+    pressed = next(w for w in workers if w.url == url)
+    for k in range(2 * KV_TOKENS // WORDS):
+        generate(pressed, prompt(f"filler{k}x"))
+    wait_for(lambda: blocks(router, pressed.url) <= KV_TOKENS // 16, "removals")
+    hit, _ = expected_hit(router, shared + " once more")
+    assert hit < WORDS // 2
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_restarted_worker_loses_its_stale_entries(procs):
+    ports = [free_port() for _ in range(3)]
+    first = worker("--port", str(ports[0]), port=ports[1], replay=ports[2])
+    procs.append(first)
+    router = RouterProc([first.url], "--policy", "kv_aware")
+    procs.append(router)
+    generate(first, prompt("old"))
+    wait_for(lambda: blocks(router, first.url) >= WORDS // 16, "the first life's blocks")
+    first.stop(check=False)
+    again = worker("--port", str(ports[0]), port=ports[1], replay=ports[2])
+    procs.append(again)
+    generate(again, prompt("new"))  # the new life publishes from seq 0 again
+    # the router sees the PUB connection come back (or seq start over) and rebuilds the worker
+    # from the new life's replay buffer: its blocks only, none of the old life's
+    wait_for(lambda: blocks(router, again.url) == WORDS // 16, "only the new life's blocks")
+    hit, _ = expected_hit(router, prompt("old"))
+    assert hit == 0
