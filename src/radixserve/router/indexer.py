@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,60 +38,58 @@ class Snapshot:
 
 
 class ResyncSubscriber(EventSubscriber):
-    """A subscriber that starts from a snapshot (batches up to its seq are in it already) and
-    asks for a new one whenever the ordinary rules drop the worker (an unreplayable gap, seq
-    going back, a malformed batch), instead of waiting for fresh events to rebuild it."""
+    """A subscriber whose resync (at start, on reconnect, and whenever the ordinary rules drop
+    the worker: an unreplayable gap, seq going back, a malformed batch) starts from the worker's
+    snapshot, then replays what the publisher sent after it; without a snapshot (a foreign
+    engine) it does what the router's does: rebuild from the replay buffer."""
 
-    floor: int | None = None
-    on_lost: Callable[[ResyncSubscriber], None] | None = None
+    def __init__(self, worker: Hashable, endpoints: Endpoints, plane: IndexerPlane) -> None:
+        super().__init__(worker, endpoints, plane.writer, plane.ctx)
+        self.plane, self.writer, self.resyncs = plane, plane.writer, 0
+
+    async def resync(self) -> None:
+        url = str(self.worker)
+        snap = await fetch_snapshot(self.plane.pools[url])
+        self.resyncs += 1
+        if snap is None:
+            if self.resyncs == 1:  # nothing vouches for what an earlier indexer left in Redis
+                self.writer.drop_worker(url)
+                log.info("%s: no snapshot; its entries are rebuilt from fresh events", url)
+            await super().resync()
+            return
+        self.writer.replace(url, snap.events)
+        self.last_seq = snap.seq if snap.seq >= 0 else None
+        self._sub_last = None
+        log.info("%s: resynced from a snapshot of %d blocks", url, len(snap.events))
+        if self.last_seq is not None:  # what was published after the snapshot
+            await self._replay(self.last_seq + 1, None)
+        self._overlap = self.last_seq is not None  # the SUB socket may deliver those again
 
     async def on_message(self, seq: int, payload: bytes) -> None:
-        if self.floor is not None:
-            if seq <= self.floor:
-                return
-            self.floor = None  # past the snapshot: the ordinary rules (restart, gaps) apply
         lost = self.stats.resyncs + self.stats.restarts
         await super().on_message(seq, payload)
-        if self.stats.resyncs + self.stats.restarts != lost and self.on_lost is not None:
-            self.on_lost(self)
+        if self.stats.resyncs + self.stats.restarts != lost:
+            await self.resync()
 
 
 class IndexerPlane(EventPlane):
-    """The router's event plane, with a snapshot (or a drop) before each subscription."""
+    """The router's event plane with ResyncSubscribers, writing through the Redis writer."""
 
     def __init__(self, index: RedisIndexWriter, pools: dict[str, ConnectionPool]) -> None:
         super().__init__(index)
         self.writer, self.pools = index, pools
-        self.resyncs = 0
+
+    @property
+    def resyncs(self) -> int:
+        return sum(getattr(s, "resyncs", 0) for s in self.subscribers.values())
 
     def subscribe(self, worker: Hashable, endpoints: Endpoints) -> EventSubscriber:
         old = self.subscribers.pop(worker, None)
         if old is not None:
             asyncio.get_running_loop().create_task(old.stop())
-        sub = ResyncSubscriber(worker, endpoints, self.index, self.ctx)
-        sub.on_lost = self._lost
-        self.subscribers[worker] = sub
-        asyncio.get_running_loop().create_task(self._resync(sub, start=True))
+        sub = self.subscribers[worker] = ResyncSubscriber(worker, endpoints, self)
+        sub.start()
         return sub
-
-    def _lost(self, sub: ResyncSubscriber) -> None:
-        asyncio.get_running_loop().create_task(self._resync(sub, start=False))
-
-    async def _resync(self, sub: ResyncSubscriber, start: bool) -> None:
-        url = str(sub.worker)
-        snap = await fetch_snapshot(self.pools[url])
-        if self.subscribers.get(sub.worker) is not sub:
-            return  # forgotten meanwhile
-        self.resyncs += 1
-        if snap is not None:
-            self.writer.replace(url, snap.events)
-            sub.last_seq = sub.floor = snap.seq if snap.seq >= 0 else None
-            log.info("%s: resynced from a snapshot of %d blocks", url, len(snap.events))
-        elif start:  # a foreign engine: nothing vouches for what Redis holds of it
-            self.writer.drop_worker(url)
-            log.info("%s: no snapshot; its entries are rebuilt from fresh events", url)
-        if start:
-            sub.start()
 
 
 async def fetch_snapshot(pool: ConnectionPool, timeout: float = 30.0) -> Snapshot | None:
