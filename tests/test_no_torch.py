@@ -24,6 +24,8 @@ PURE = [
     "radixserve.router.event_format",
     "radixserve.router.kv_aware",
     "radixserve.router.events",
+    "radixserve.router.kv_routing",
+    "radixserve.sim.kv_feed",
     "radixserve.router.app",
     "radixserve.router.cli",
     "radixserve.router.redis_index",

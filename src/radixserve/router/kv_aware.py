@@ -19,6 +19,9 @@ Registered as `--policy kv_aware`; pure (no I/O, no clock)."""
 #             prefill tokens (WorkerView.prefill_tokens, stamped reported_at), the report
 #             replaces every dispatch made up to that moment; later dispatches add to it. A
 #             burst therefore spreads at once instead of piling onto one worker until a poll.
+#             The simulator reports exactly; the HTTP proxy does not poll workers for it yet,
+#             so there a dispatch counts until the request completes (an overestimate that
+#             lasts the request's decode).
 #
 # Both terms are tokens of prefill work, so cache affinity and load add up with no weight to
 # tune: a hit is worth exactly the prefill it saves. The smallest score wins; ties go to the
