@@ -15,6 +15,7 @@ from radixserve import __version__
 SUBCOMMANDS: dict[str, str] = {
     "serve": "radixserve.server.cli",
     "route": "radixserve.router.cli",
+    "kv-indexer": "radixserve.router.indexer_cli",
     "sim": "radixserve.sim.cli",
     "bench": "radixserve.bench.cli",
     "playground": "radixserve.playground.cli",

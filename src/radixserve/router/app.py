@@ -23,6 +23,7 @@ import httptools
 from radixserve.router.config import RouterConfig
 from radixserve.router.keys import units
 from radixserve.router.kv_routing import KvRouting, fetch_json
+from radixserve.router.kvs_reader import open_kv_index
 from radixserve.router.policies import NoWorkerAvailable, RequestView, create_policy
 from radixserve.router.workers import (
     Headers,
@@ -189,11 +190,14 @@ class Router:
 
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
-        self.policy = create_policy(config.policy, config.policy_config())
+        self.kvs, self.policy = open_kv_index(config, self._worker_id)
+        if self.kvs is None:
+            self.policy = create_policy(config.policy, config.policy_config())
         self.registry = WorkerRegistry(config.health_config(), self.policy.on_worker_removed)
         # kv_aware: an index fed by the workers' KV events, prompts tokenized as they do
         has_index = getattr(self.policy, "index", None) is not None
-        self.kv = KvRouting(self.policy, config.tokenizer) if has_index else None
+        subscribe = self.kvs is None  # on Redis, the kv-indexer follows the events
+        self.kv = KvRouting(self.policy, config.tokenizer, subscribe) if has_index else None
         self.retries, self.failed = 0, {502: 0, 503: 0}
         self.decisions = [0] * (len(BUCKETS) + 1)
         self.decision_sum = 0.0
@@ -236,6 +240,12 @@ class Router:
         if self.kv is not None:
             await self.kv.stop()
         await self.registry.stop()
+        if self.kvs is not None:
+            await self.kvs.close()
+
+    def _worker_id(self, url: str) -> str | None:
+        worker = self.registry.by_url(url)
+        return None if worker is None else worker.id
 
     def _watch(self, worker: Worker) -> None:
         """kv_aware: check the worker's tokenizer, then subscribe to its KV events."""
@@ -312,6 +322,8 @@ class Router:
             if attempt:
                 self.retries += 1
                 await asyncio.sleep(self._backoff(attempt))
+            if self.kvs is not None:  # the shared index's answer, read by select just below
+                await self.kvs.prepare(view.token_ids, view.kv_namespace)
             worker = self.pick(view, tried)
             if worker is None:
                 break
@@ -491,6 +503,8 @@ class Router:
         lines = [line for family in families for line in _family(*family)]
         failed = {str(code): n for code, n in self.failed.items()}
         lines += _family("failed_requests_total", "counter", failed, label="code")
+        if self.kvs is not None:
+            lines += self.kvs.metric_lines(PREFIX)
         return lines + _histogram(f"{PREFIX}decision_seconds", self.decisions, self.decision_sum)
 
 

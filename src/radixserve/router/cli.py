@@ -8,6 +8,7 @@ import asyncio
 import gc
 import logging
 import signal
+import sys
 
 from radixserve.config import add_dataclass_args, from_args
 from radixserve.router.config import RouterConfig
@@ -30,7 +31,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGINT or SIGTERM."""
-    config = from_args(RouterConfig, args)
+    try:
+        config = from_args(RouterConfig, args)
+    except ValueError as exc:
+        print(f"radixserve route: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -3,6 +3,7 @@ command-line flags (named as sglang-router's where it has them)."""
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +63,25 @@ class RouterConfig:
         _POLICY.cache_aware_scheduling_min_tokens,
         "kv_aware: prompts shorter than this (tokens) are placed by load alone",
     )
+    kv_index: str = _f(
+        "memory",
+        "kv_aware: where the precise prefix index lives: memory (the router subscribes to the "
+        "workers' KV events) or redis://host:port/db (shared; `radixserve kv-indexer` writes it)",
+    )
+    kvs_retry_times: int = _f(
+        5, "kv_aware on Redis: retries of a failed lookup before the service is marked down"
+    )
+    kvs_retry_interval_ms: float = _f(100.0, "kv_aware on Redis: wait between lookup retries")
+    kvs_metadata_service_down_duration_s: float = _f(
+        30.0,
+        "kv_aware on Redis: seconds a down service is left alone (routing falls back to the "
+        "approximate tree) before it is tried again",
+    )
+    kvs_timeout_ms: float = _f(
+        500.0,
+        "kv_aware on Redis: a lookup slower than this failed (keep it above the router's own "
+        "p99 latency: a saturated router reads replies late)",
+    )
     tokenizer: str | None = _f(
         None,
         "kv_aware: the workers' tokenizer (model dir or GGUF; default: what the workers report "
@@ -106,9 +126,24 @@ class RouterConfig:
             raise ValueError("max_retries >= 0, max_payload_size > 0, request_timeout_secs > 0")
         if self.health_failure_threshold < 1 or self.health_success_threshold < 1:
             raise ValueError("health thresholds must be >= 1")
+        self._check_kv_index()
         # argparse hands over a list; keep the frozen config hashable and immutable.
         object.__setattr__(self, "worker_urls", tuple(self.worker_urls))
         self.policy_config()  # validates the policy's own ranges now, not at first request
+
+    def _check_kv_index(self) -> None:
+        if self.kv_index == "memory":
+            return
+        if not self.kv_index.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"--kv-index must be memory or a redis:// URL, not {self.kv_index!r}")
+        if self.policy != "kv_aware":
+            raise ValueError("--kv-index redis://... is read by --policy kv_aware only")
+        if importlib.util.find_spec("redis") is None:
+            raise ValueError("--kv-index redis://... needs redis-py: pip install radixserve[redis]")
+        if self.kvs_retry_times < 0 or self.kvs_retry_interval_ms < 0 or self.kvs_timeout_ms <= 0:
+            raise ValueError("kvs_retry_times, kvs_retry_interval_ms >= 0; kvs_timeout_ms > 0")
+        if self.kvs_metadata_service_down_duration_s < 0:
+            raise ValueError("kvs_metadata_service_down_duration_s must be >= 0")
 
     def policy_config(self) -> CachePolicyConfig:
         return CachePolicyConfig.taken_from(self)

@@ -86,9 +86,12 @@ def _message(m: Any) -> dict[str, Any]:
 class KvRouting:
     """Tokenizer, fingerprint check and event subscribers of a kv_aware router."""
 
-    def __init__(self, policy: Any, tokenizer_path: str | None = None) -> None:
+    def __init__(
+        self, policy: Any, tokenizer_path: str | None = None, subscribe: bool = True
+    ) -> None:
         self.policy = policy  # kv_aware: its index, and what it expected to hit
         self.plane = EventPlane(policy.index)
+        self.subscribe = subscribe  # False: another process feeds the index (kv-indexer)
         self.tokenizer: Tokenizer | None = None
         self.fingerprint: str | None = None
         self.refused: dict[str, str] = {}  # worker url -> why
@@ -106,7 +109,8 @@ class KvRouting:
         info = await fetch("/get_model_info")
         if info is not None and not self._tokenizer_matches(url, info):
             return False
-        self.plane.watch(worker_id, url, lambda: fetch("/get_server_info"))
+        if self.subscribe:
+            self.plane.watch(worker_id, url, lambda: fetch("/get_server_info"))
         return True
 
     def _tokenizer_matches(self, url: str, info: dict[str, Any]) -> bool:
