@@ -28,6 +28,17 @@ def token_array(ids: Sequence[int]) -> array:
     return out
 
 
+def concat_tokens(ids: array, more: list[int]) -> array:
+    """``ids`` followed by ``more`` (generated ids, a list), in one array of ``ids``'s type,
+    widened to 64 bits if an id of ``more`` does not fit it."""
+    out = array(ids.typecode, ids)
+    try:
+        out.fromlist(more)
+        return out
+    except (OverflowError, TypeError):
+        return token_array(ids.tolist() + more)
+
+
 def common_len(key: array, query: array, start: int, end: int) -> int:
     """Length of the common prefix of ``key`` and ``query[start:end]``, for a caller that found
     they are not equal over the whole of ``key``.

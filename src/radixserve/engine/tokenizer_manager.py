@@ -9,6 +9,7 @@ import asyncio
 import itertools
 import os
 import uuid
+from array import array
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from radixserve.cache.tokens import token_array
 from radixserve.engine.messages import (
     AbortReq,
     ControlOut,
@@ -113,11 +115,13 @@ class TokenizerManager:
         self._ctx.term()
 
     # -- requests ------------------------------------------------------------------------------
-    def tokenize(self, inp: GenerateInput) -> list[int]:
+    def tokenize(self, inp: GenerateInput) -> array:
+        """The prompt's token ids as a compact array (``token_array``): converted here once,
+        they cross to the scheduler and live in its ``Req`` and radix tree as they are."""
         if inp.input_ids is not None:
-            ids = list(inp.input_ids)
+            ids = inp.input_ids
             vocab = getattr(self.tokenizer, "vocab_size", None)
-            if vocab and ids and (min(ids) < 0 or max(ids) >= vocab):  # C-speed scans
+            if vocab and len(ids) and (min(ids) < 0 or max(ids) >= vocab):  # C-speed scans
                 raise RequestError(f"input_ids must be token ids in [0, {vocab})")
         elif inp.messages is not None:
             text = self.tokenizer.apply_chat_template(inp.messages, add_generation_prompt=True)
@@ -126,9 +130,12 @@ class TokenizerManager:
             ids = self.tokenizer.encode(inp.text)
         else:
             raise RequestError("the request has no prompt (text, input_ids or messages)")
-        if not ids:
+        if not len(ids):
             raise RequestError("the prompt is empty")
-        return ids
+        try:
+            return token_array(ids)
+        except ValueError as e:
+            raise RequestError(str(e)) from e
 
     def check_length(self, ids: Sequence[int]) -> None:
         if len(ids) >= self.context_length:

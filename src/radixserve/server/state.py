@@ -89,7 +89,7 @@ class ServerState:
             raise ApiError(400, str(e)) from e
         return dataclasses.replace(inp, text=None, messages=None, input_ids=ids, sampling=sp)
 
-    def _tokenize(self, inp: GenerateInput, param: str) -> list[int]:
+    def _tokenize(self, inp: GenerateInput, param: str) -> Sequence[int]:
         try:
             return self.tm.tokenize(inp)
         except RequestError as e:
