@@ -43,6 +43,9 @@ class SlotAllocator:
         self._free_pages = array(SLOT_CODE)
         self._fresh = 0  # pages [_fresh, num_pages) were never handed out
         self._in_use = bytearray(self.num_pages)
+        # iota[i] == i for every slot handed out so far: runs of slot and page ids are sliced
+        # from it (a memcpy) instead of built from a range (an int object per id)
+        self._iota = array(SLOT_CODE)
 
     def available(self) -> int:
         """Free token slots (whole pages)."""
@@ -84,14 +87,19 @@ class SlotAllocator:
         """The next ``pages`` free pages in handing-out order (there are enough)."""
         free = self._free_pages
         reused = min(pages, len(free))
-        taken = free[len(free) - reused :]
-        del free[len(free) - reused :]
-        taken.reverse()  # last freed first
+        taken = free[len(free) - reused :]  # the last freed, in the order they were freed:
+        del free[len(free) - reused :]  # a run freed whole comes back as an ascending run
         if pages > reused:
             fresh = self._fresh
             self._fresh = fresh + pages - reused
-            taken.extend(range(fresh, self._fresh))
+            taken += self._iota_to(self._fresh * self.page_size)[fresh : self._fresh]
         return taken
+
+    def _iota_to(self, n: int) -> array:
+        iota = self._iota
+        if len(iota) < n:
+            iota.extend(range(len(iota), n))  # once per slot ever handed out
+        return iota
 
     def _mark(self, pages: array, flag: int) -> None:
         """Set the in-use flag of ``pages``: one slice when they are a run, else a C-level map."""
@@ -101,10 +109,17 @@ class SlotAllocator:
         else:
             deque(map(self._in_use.__setitem__, pages, repeat(flag)), maxlen=0)
 
+    def free_runs(self, runs: Sequence[Sequence[int]]) -> None:
+        """``free`` each of ``runs`` (an eviction's leaves: each usually one run of slots)."""
+        for run in runs:
+            self.free(run)
+
     def free(self, slots: Sequence[int]) -> None:
         """Return the pages holding ``slots`` (every slot of a page must be the caller's).
         Refused whole (SlotError) if any page is outside the pool or not in use."""
         if not len(slots):
+            return
+        if self._free_run(slots):
             return
         pages = self._pages_of(slots)
         lo, hi = pages[0], pages[-1]
@@ -118,15 +133,24 @@ class SlotAllocator:
         self._mark(pages, 0)
         self._free_pages += pages
 
+    def _free_run(self, slots: Sequence[int]) -> bool:
+        """Free ``slots`` at C speed if they are one ascending run of whole pages, all in use
+        (an evicted leaf, a finished request's own slots); False (nothing done) otherwise."""
+        p, lo, n, iota = self.page_size, slots[0], len(slots), self._iota
+        hi = lo + n  # exclusive
+        if lo < 0 or lo % p or hi % p or hi > len(iota) or slots[-1] != hi - 1:
+            return False
+        if type(slots) is not array or slots.typecode != SLOT_CODE or slots != iota[lo:hi]:
+            return False
+        if self._in_use.find(0, lo // p, hi // p) >= 0:
+            return False  # a page not in use: the slow path names it
+        self._in_use[lo // p : hi // p] = bytes(n // p)
+        self._free_pages += slots if p == 1 else iota[lo // p : hi // p]
+        return True
+
     def _pages_of(self, slots: Sequence[int]) -> array:
-        """The distinct pages of ``slots``, ascending, as an array; a run of whole pages (the
-        common case) is recognised without sorting."""
+        """The distinct pages of ``slots``, ascending, as an array."""
         p = self.page_size
-        first, last = slots[0], slots[-1]
-        if p == 1 and last - first == len(slots) - 1 and first >= 0:
-            run = array(SLOT_CODE, range(first, last + 1))
-            if type(slots) is array and slots.typecode == SLOT_CODE and slots == run:
-                return run
         if p == 1:
             return array(SLOT_CODE, sorted(set(slots)))
         return array(SLOT_CODE, sorted(set(map(floordiv, slots, repeat(p)))))

@@ -287,19 +287,29 @@ class RadixCache:
         policy order; returns the freed slots, one array, for the caller to give back to the
         allocator. O(log n) per evicted leaf: the leaves wait in a heap (``cache.evict``)."""
         freed = array(SLOT_CODE)
+        for run in self.evict_runs(num_tokens):
+            freed += run
+        return freed
+
+    def evict_runs(self, num_tokens: int) -> list[array]:
+        """``evict``, with the freed slots as one array per evicted leaf (a slice of the slab,
+        copied in C), which an allocator frees a run at a time (``SlotAllocator.free_runs``)."""
+        runs: list[array] = []
         evq, evictable = self._evq, self._evictable_leaf
-        while len(freed) < num_tokens:
+        n = 0
+        while n < num_tokens:
             leaf = evq.pop(evictable)
             if leaf is None:
                 break
             parent = leaf.parent
             self._remove_leaf(leaf)
-            freed += leaf.slab[leaf.lo : leaf.hi]  # one C copy per leaf
+            runs.append(leaf.slab[leaf.lo : leaf.hi])
+            n += leaf.hi - leaf.lo
             if evictable(parent):
                 evq.offer(parent)
         if self._dead > self._compact_min and 2 * self._dead > len(self._slab):
             self._compact()
-        return freed
+        return runs
 
     def _compact(self) -> None:
         """Copy the live nodes' slots into a new slab; the old one stays with evicted nodes."""

@@ -47,7 +47,7 @@ class KVManager:
         """Evict until ``n`` slots are free; False if even eviction cannot make them."""
         short = n - self.allocator.available()
         if short > 0 and self.enabled:
-            self.allocator.free(self.cache.evict(short))
+            self.allocator.free_runs(self.cache.evict_runs(short))
         return self.allocator.available() >= n
 
     def covers(self, num_decodes: int, extra: int = 0) -> bool:
