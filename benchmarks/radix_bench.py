@@ -8,7 +8,7 @@ system's allocator. Each system gets its natural input, made outside the timing:
 token array a scheduled ``Req`` holds (``token_array``, converted once when the request is
 made), SGLang the ``RadixKey(array('q'))`` its requests hold, and KV slots from its own
 allocator (``array('q')`` / a torch tensor). Both sides hold arrays, so the natural rows are also
-the arrays-on-both-sides comparison; the "[list]" rows give both a fresh Python list per call
+the arrays-on-both-sides comparison; the "[list]" row gives both a fresh Python list per call
 instead (a caller that never converted: what radixserve's scheduler passed before issue 16).
 
 The baseline is SGLang's ``UnifiedRadixCache`` on its Rust tree core (``rust_tree_core``),
@@ -132,7 +132,6 @@ class Plan:
             "evict 1 x L/2": evictions(EVICT_CALLS, half),
             f"evict {EVICT_CALLS} x L/2": evictions(1, EVICT_CALLS * half),
             "full-hit [list]": matches(self.lists["full-hit"], key_of=convert),
-            "insert [list]": inserts(self.seqs, key_of=convert),
         }
 
 
@@ -194,7 +193,7 @@ def main() -> None:
         got = measure(factories, length, args.repeats, CLOCKS[args.clock])
         for op, r in got["ours"].items():
             ref = got["base"].get(op)
-            tok = r * (length if "match" in op or "insert" in op else 0) / 1e6
+            tok = r * (length if "hit" in op or "insert" in op or "miss" in op else 0) / 1e6
             ref_s, vs = (f"{ref:,.0f}", f"{r / ref:.2f}x") if ref else ("-", "-")
             print(f"{op:<18} {length:>5} {r:>11,.0f} {tok:>8.1f} {ref_s:>11} {vs:>7}")
 
