@@ -40,7 +40,10 @@ class SlotAllocator:
     def reset(self) -> None:
         # freed pages are reused last-freed first; then never-used pages, low ids first. The
         # never-used ones are a counter, not a list: a pool of 400k pages starts in no time
-        self._free_pages = array(SLOT_CODE)
+        # the freed pages: a stack in a buffer of the pool's size, filled to _nfree, so a free
+        # is one slice copy, never a regrowth of the whole list (a page is freed at most once)
+        self._free_buf = array(SLOT_CODE, [0]) * self.num_pages
+        self._nfree = 0
         self._fresh = 0  # pages [_fresh, num_pages) were never handed out
         self._in_use = bytearray(self.num_pages)
         # iota[i] == i for every slot handed out so far: runs of slot and page ids are sliced
@@ -49,7 +52,7 @@ class SlotAllocator:
 
     def available(self) -> int:
         """Free token slots (whole pages)."""
-        return (len(self._free_pages) + self.num_pages - self._fresh) * self.page_size
+        return (self._nfree + self.num_pages - self._fresh) * self.page_size
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -59,13 +62,14 @@ class SlotAllocator:
         The unused tail of the last page stays reserved for the same owner (see ``extend``)."""
         if num_tokens < 0:
             raise ValueError(f"cannot allocate {num_tokens} slots")
-        p, free = self.page_size, self._free_pages
+        p = self.page_size
         pages = -(-num_tokens // p)
-        if pages > len(free) + self.num_pages - self._fresh:
+        if pages > self._nfree + self.num_pages - self._fresh:
             raise SlotError(f"out of KV slots: need {num_tokens}, have {self.available()}")
         if pages == 1:  # a decode step: one page per request
-            if free:
-                page = free.pop()
+            if self._nfree:
+                self._nfree -= 1
+                page = self._free_buf[self._nfree]
             else:
                 page = self._fresh
                 self._fresh += 1
@@ -85,10 +89,10 @@ class SlotAllocator:
 
     def _take(self, pages: int) -> array:
         """The next ``pages`` free pages in handing-out order (there are enough)."""
-        free = self._free_pages
-        reused = min(pages, len(free))
-        taken = free[len(free) - reused :]  # the last freed, in the order they were freed:
-        del free[len(free) - reused :]  # a run freed whole comes back as an ascending run
+        n = self._nfree
+        reused = min(pages, n)
+        taken = self._free_buf[n - reused : n]  # the last freed, in the order they were freed:
+        self._nfree = n - reused  # a run freed whole comes back as an ascending run
         if pages > reused:
             fresh = self._fresh
             self._fresh = fresh + pages - reused
@@ -131,7 +135,7 @@ class SlotAllocator:
             bad = next(pg for pg in pages if not in_use[pg])
             raise SlotError(f"double free, or free of a never-allocated slot (page {bad})")
         self._mark(pages, 0)
-        self._free_pages += pages
+        self._push_free(pages)
 
     def _free_run(self, slots: Sequence[int]) -> bool:
         """Free ``slots`` at C speed if they are one ascending run of whole pages, all in use
@@ -145,8 +149,13 @@ class SlotAllocator:
         if self._in_use.find(0, lo // p, hi // p) >= 0:
             return False  # a page not in use: the slow path names it
         self._in_use[lo // p : hi // p] = bytes(n // p)
-        self._free_pages += slots if p == 1 else iota[lo // p : hi // p]
+        self._push_free(slots if p == 1 else iota[lo // p : hi // p])
         return True
+
+    def _push_free(self, pages: array) -> None:
+        n = self._nfree
+        self._free_buf[n : n + len(pages)] = pages  # same length: a copy in place
+        self._nfree = n + len(pages)
 
     def _pages_of(self, slots: Sequence[int]) -> array:
         """The distinct pages of ``slots``, ascending, as an array."""
