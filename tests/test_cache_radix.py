@@ -154,14 +154,6 @@ class RadixMachinePaged(RadixMachine):
     max_len = 80
 
 
-class RadixMachineCompacting(RadixMachine):
-    """Every eviction that frees enough compacts the slot slab."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.cache._compact_min = 0
-
-
 def _policy_machine(policy: str) -> type[RadixMachine]:
     return type(f"RadixMachine_{policy}", (RadixMachine,), {"policy": policy})
 
@@ -170,8 +162,6 @@ TestRadixPage1 = RadixMachine.TestCase
 TestRadixPage1.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
 TestRadixPage16 = RadixMachinePaged.TestCase
 TestRadixPage16.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
-TestRadixCompacting = RadixMachineCompacting.TestCase
-TestRadixCompacting.settings = settings(max_examples=50, stateful_step_count=30, deadline=None)
 _POLICY_SETTINGS = settings(max_examples=40, stateful_step_count=30, deadline=None)
 TestRadixLFU = _policy_machine("lfu").TestCase
 TestRadixLFU.settings = _POLICY_SETTINGS
@@ -309,13 +299,11 @@ def test_match_slots_survive_later_splits_and_evictions() -> None:
     cache.match_prefix([1, 2, 9])  # splits the node after [1, 2]
     cache.insert([1, 2, 3, 4, 7], [10, 11, 12, 13, 20])  # and after [1, 2, 3, 4]
     assert hit.slots == early.slots
-    cache._compact_min = 0  # evictions that leave half the slot slab dead compact it
     kept = cache.match_prefix([1, 2, 3, 4, 7])
     unread = cache.match_prefix([1, 2, 3, 4, 5, 6])  # its slots are first read after eviction
     cache.lock(kept.last_node)
     assert sorted(cache.evict(100)) == [14, 15]
-    cache._compact()  # live nodes move to a new slab, the evicted leaf keeps the old one
-    assert len(cache._slab) == 5
+    assert sum(len(n.value) for n in cache._nodes()) == 5  # the evicted leaf kept its own
     assert list(unread.slots) == [10, 11, 12, 13, 14, 15] and unread.length == 6
     assert hit.slots == early.slots and hit.length == 6
     assert list(kept.slots) == [10, 11, 12, 13, 20]
@@ -324,7 +312,7 @@ def test_match_slots_survive_later_splits_and_evictions() -> None:
     cache.unlock(kept.last_node)
     unread = cache.match_prefix([1, 2, 3, 4, 7])
     assert sorted(cache.evict(100)) == [10, 11, 12, 13, 20]
-    assert not cache._slab  # all dead: compacted by evict itself
+    assert cache.total_size() == 0
     assert list(unread.slots) == [10, 11, 12, 13, 20]
     assert list(kept.slots) == [10, 11, 12, 13, 20] and hit.slots == early.slots
     cache.check_integrity()

@@ -11,23 +11,22 @@ from radixserve.cache.tokens import SLOT_CODE
 
 
 class TreeNode:
-    """One edge of the tree: ``key`` holds its token ids as an ``array`` of unsigned ints
-    (compact, compared in C, not traversed by the garbage collector); its KV slot ids are
-    ``slab[lo:hi]``, a range of one array per cache that only ever grows (``value``).
-    ``priority``, ``benefit`` and ``hseq`` serve the eviction policies (see ``cache.evict``)."""
+    """One edge of the tree: ``key`` holds its token ids as an ``array`` of unsigned ints,
+    ``value`` their KV slot ids as an ``array('q')`` (both compact, compared and copied in C,
+    never traversed by the garbage collector). A value is never changed in place: a split
+    gives both halves new arrays, so an evicted node, and a MatchResult ending at it, keep
+    theirs. ``priority``, ``benefit`` and ``hseq`` serve the eviction policies."""
 
     __slots__ = (
-        "children", "parent", "key", "slab", "lo", "hi", "lock_ref", "last_access", "hits", "born",
+        "children", "parent", "key", "value", "lock_ref", "last_access", "hits", "born",
         "priority", "benefit", "hseq",
     )  # fmt: skip
 
-    def __init__(
-        self, key: array, slab: array, lo: int, hi: int, parent: TreeNode | None, tick: int
-    ):
+    def __init__(self, key: array, value: array, parent: TreeNode | None, tick: int):
         self.children: dict[Any, TreeNode] = {}
         self.parent = parent
         self.key = key
-        self.slab, self.lo, self.hi = slab, lo, hi
+        self.value = value
         self.lock_ref = 0
         self.last_access = tick
         self.hits = 0
@@ -35,11 +34,6 @@ class TreeNode:
         self.priority = 0
         self.benefit = tick / BENEFIT_HALF_LIFE  # its insertion counts as one hit
         self.hseq: int | None = None  # its live entry in the eviction heap
-
-    @property
-    def value(self) -> array:
-        """The KV slot ids of this node's tokens, as a new array."""
-        return self.slab[self.lo : self.hi]
 
     @property
     def is_root(self) -> bool:
@@ -91,20 +85,13 @@ class MatchResult:
 
 def path_slots(node: TreeNode) -> array:
     """The slots of the cached prefix that ends at ``node``, as one new array."""
-    runs: list[tuple[array, int, int]] = []  # (slab, lo, hi), the deepest first
+    parts: list[array] = []  # the deepest first
     while node.key:  # the root and the namespace roots have empty keys
-        if runs and runs[-1][0] is node.slab and runs[-1][1] == node.hi:
-            runs[-1] = (node.slab, node.lo, runs[-1][2])  # adjacent in the slab: one slice
-        else:
-            runs.append((node.slab, node.lo, node.hi))
+        parts.append(node.value)
         node = node.parent  # type: ignore[assignment]
-    if not runs:
-        return array(SLOT_CODE)
-    slab, lo, hi = runs.pop()
-    out = slab[lo:hi]
-    while runs:
-        slab, lo, hi = runs.pop()
-        out += slab[lo:hi]
+    out = array(SLOT_CODE)
+    for part in reversed(parts):
+        out += part
     return out
 
 

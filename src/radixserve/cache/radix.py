@@ -13,9 +13,9 @@ about as cheap as reading the list once), after which every comparison is a C co
 bytes. Comparing Python lists instead costs a rich compare per token whenever the caller's ints
 are not the very objects that were inserted, which is always the case for a newly tokenized
 request. Callers that hold their ids in an array already (``token_array``: the scheduler's
-requests do, from the tokenizer on) pay no conversion at all. Slot ids live in one
-``array('q')`` per cache (the slab, see ``reset``), so the garbage collector has no per-node list
-to traverse, a split copies nothing, and eviction frees a leaf's slots with one slice copy.
+requests do, from the tokenizer on) pay no conversion at all. Each node's slot ids are its own
+``array('q')`` (not a list: the garbage collector never traverses it), so an insert copies the
+new suffix's slots once and an eviction hands the leaf's array to the allocator as it is.
 Eviction order is a heap of the evictable leaves (``cache.evict``): O(log n) per evicted leaf.
 """
 
@@ -32,8 +32,6 @@ from radixserve.config import CacheConfig
 
 __all__ = ["MatchResult", "RadixCache", "TreeListener", "TreeNode", "path_slots", "token_array"]
 
-_COMPACT_MIN = 1 << 16  # evicted slab entries worth a compaction (when also half the slab)
-
 
 class RadixCache:
     """Prefix tree over token ids; one subtree per namespace (LoRA id, cache salt, ...)."""
@@ -48,7 +46,6 @@ class RadixCache:
         self._rekey_on_access = not self._policy.monotone  # mru: an access lowers the key
         self._benefit = name == "hit-benefit"  # only this policy pays for the decayed sums
         self.listeners: list[TreeListener] = []
-        self._compact_min = _COMPACT_MIN
         self.reset()
 
     # -- sizes -------------------------------------------------------------------------------
@@ -67,17 +64,11 @@ class RadixCache:
             raise RuntimeError("cannot reset the radix cache while requests hold locked prefixes")
         freed = array(SLOT_CODE)
         for node in self._nodes() if hasattr(self, "root") else ():
-            freed += node.slab[node.lo : node.hi]
+            freed += node.value
         self._tick = 0
         self._code, self._width = "I", 4  # 32-bit token ids until a larger one arrives
-        # Every node's slots live in this one array (a node holds a range of it), so an insert
-        # adds no list for the garbage collector to traverse. Ranges are never overwritten:
-        # evicted ones stay until _compact() copies the live ones into a new slab, so a node
-        # that left the tree (and a MatchResult that ends at it) keeps its slots.
-        self._slab = array(SLOT_CODE)
-        self._dead = 0  # slab entries that belong to evicted nodes
         self._evq = EvictionHeap(self._policy)
-        self.root = TreeNode(array("I"), self._slab, 0, 0, None, 0)
+        self.root = TreeNode(array("I"), array(SLOT_CODE), None, 0)
         self.root.lock_ref = 1
         self._namespaces = self.root.children  # namespace -> its root
         self._evictable = 0
@@ -119,7 +110,7 @@ class RadixCache:
     def namespace_root(self, namespace: Hashable | None) -> TreeNode:
         node = self.root.children.get(namespace)
         if node is None:
-            node = TreeNode(array(self._code), self._slab, 0, 0, self.root, self._tick)
+            node = TreeNode(array(self._code), array(SLOT_CODE), self.root, self._tick)
             node.lock_ref = 1  # namespace roots are never evicted
             self.root.children[namespace] = node
         return node
@@ -225,13 +216,11 @@ class RadixCache:
     def _new_leaf(
         self, query: array, slots: Sequence[int], pos: int, end: int, parent: TreeNode, tick: int
     ) -> TreeNode:
-        slab = self._slab
-        lo = len(slab)
         if type(slots) is array and slots.typecode == SLOT_CODE:
-            slab += slots[pos:end]  # one C copy
+            value = slots[pos:end]  # one C copy
         else:
-            slab.extend(slots[pos:end])
-        return TreeNode(query[pos:end], slab, lo, len(slab), parent, tick)
+            value = array(SLOT_CODE, slots[pos:end])
+        return TreeNode(query[pos:end], value, parent, tick)
 
     def _add_leaf(self, parent: TreeNode, first: Any, leaf: TreeNode) -> None:
         parent.children[first] = leaf
@@ -243,14 +232,14 @@ class RadixCache:
         """Cut ``child`` after ``n`` tokens; the new upper node takes its place in the parent."""
         parent = child.parent
         assert parent is not None and 0 < n < len(child.key)
-        upper = TreeNode(child.key[:n], child.slab, child.lo, child.lo + n, parent, child.born)
+        upper = TreeNode(child.key[:n], child.value[:n], parent, child.born)
         upper.lock_ref, upper.last_access, upper.hits = (
             child.lock_ref,
             child.last_access,
             child.hits,
         )
         upper.priority, upper.benefit = child.priority, child.benefit
-        child.key, child.lo, child.parent = child.key[n:], child.lo + n, upper
+        child.key, child.value, child.parent = child.key[n:], child.value[n:], upper
         upper.children[self._child_key(child.key, 0)] = child
         parent.children[self._child_key(upper.key, 0)] = upper
         if self._benefit:  # fewer tokens: a lower benefit, so an earlier place in the heap
@@ -292,8 +281,8 @@ class RadixCache:
         return freed
 
     def evict_runs(self, num_tokens: int) -> list[array]:
-        """``evict``, with the freed slots as one array per evicted leaf (a slice of the slab,
-        copied in C), which an allocator frees a run at a time (``SlotAllocator.free_runs``)."""
+        """``evict``, with the freed slots as one array per evicted leaf (the leaf's own, not
+        copied), which an allocator frees a run at a time (``SlotAllocator.free_runs``)."""
         runs: list[array] = []
         evq, evictable = self._evq, self._evictable_leaf
         n = 0
@@ -303,22 +292,11 @@ class RadixCache:
                 break
             parent = leaf.parent
             self._remove_leaf(leaf)
-            runs.append(leaf.slab[leaf.lo : leaf.hi])
-            n += leaf.hi - leaf.lo
+            runs.append(leaf.value)  # its own array: nothing copied
+            n += len(leaf.value)
             if evictable(parent):
                 evq.offer(parent)
-        if self._dead > self._compact_min and 2 * self._dead > len(self._slab):
-            self._compact()
         return runs
-
-    def _compact(self) -> None:
-        """Copy the live nodes' slots into a new slab; the old one stays with evicted nodes."""
-        slab = array(SLOT_CODE)
-        for node in self._nodes():
-            lo = len(slab)
-            slab += node.slab[node.lo : node.hi]
-            node.slab, node.lo, node.hi = slab, lo, len(slab)
-        self._slab, self._dead = slab, 0
 
     def _evictable_leaf(self, node: TreeNode) -> bool:
         return not node.children and node.lock_ref == 0 and not node.is_root
@@ -328,7 +306,6 @@ class RadixCache:
         assert parent is not None
         del parent.children[self._child_key(leaf.key, 0)]
         self._evictable -= len(leaf.key)
-        self._dead += leaf.hi - leaf.lo
         self._evq.drop(leaf)
         for listener in self.listeners:
             listener.on_evict(leaf)
@@ -345,7 +322,6 @@ class RadixCache:
     def check_integrity(self) -> None:
         """Recount every running counter and check every structural invariant."""
         evictable = protected = 0
-        live = 0
         seen_slots: set[int] = set()
         leaves: list[TreeNode] = []  # the evictable ones, each with a live heap entry
         for node in self._nodes():
@@ -357,10 +333,8 @@ class RadixCache:
                 assert not node.key and not node.value and node.lock_ref >= 1
                 continue
             assert type(node.key) is array and node.key.typecode == self._code, "key not encoded"
-            assert node.slab is self._slab, "node outside the live slab"
-            assert 0 <= node.lo < node.hi <= len(self._slab), "slab range out of bounds"
-            assert len(node.key) == node.hi - node.lo, "key/value length mismatch"
-            live += node.hi - node.lo
+            assert type(node.value) is array and node.value.typecode == SLOT_CODE, "value type"
+            assert len(node.key) == len(node.value) > 0, "key/value length mismatch"
             assert len(node.key) % self.page_size == 0, "node not page aligned"
             assert node.lock_ref >= sum(c.lock_ref for c in node.children.values()), "lock_ref"
             assert seen_slots.isdisjoint(node.value), "a slot is held by two nodes"
@@ -373,5 +347,4 @@ class RadixCache:
                     leaves.append(node)
         assert evictable == self._evictable, f"evictable {self._evictable} != {evictable}"
         assert protected == self._protected, f"protected {self._protected} != {protected}"
-        assert live + self._dead == len(self._slab), "slab entries lost or counted twice"
         self._evq.check(leaves)
