@@ -1,4 +1,5 @@
-"""Cost of one scheduling pass (``Scheduler.step()``) over 128, 1,000 and 10,000 waiting requests.
+"""Cost of one scheduling pass (``Scheduler.step()``) over 128, 1,000 and 10,000 waiting requests,
+and of a pass and a decode step at 10,000 waiting / 256 running against the prompt length.
 
 Prompts are 2,000 tokens: a third extend a cached 1,000-token group prefix, a third a cached
 1,500-token one (10 groups each), a third are cold; default budgets. The pass (index refresh,
@@ -8,7 +9,15 @@ batch's output is applied, the admitted requests are aborted and as many fresh o
 kinds queued, so the queue's length and mix stay put (use --passes 300 for a steady state). The baseline, measured on the same queue in the same run, is
 SGLang's approach: re-match every waiting request and sort.
 
+The second table holds the queue at 10,000 waiting requests and the batch at 256 running ones
+(all decoding, ``--max-running-requests 256``) and grows the prompts from 1,000 to 4,000 tokens
+(group prefixes half and three quarters of a prompt): a decode step (``step()`` then
+``on_output()``) and a pass (the same queue, with room to admit) must cost the same at every
+length, as no per-step work may be proportional to prompt lengths; "x shortest" is the ratio
+to the shortest prompts.
+
     python benchmarks/schedule_bench.py [--sizes 128 1000 10000] [--passes 30]
+        [--prompt-lens 1000 2000 4000]
 """
 
 from __future__ import annotations
@@ -29,40 +38,44 @@ POOL = 1_000_000  # distinct token ids; prompts are slices of it, so they share 
 
 
 class Workload:
-    """Makes requests: a third per kind (1,000-token group prefix, 1,500, cold)."""
+    """Makes requests of ``prompt`` tokens: a third per kind (a group prefix of half the
+    prompt, of three quarters, cold). Each Req turns its list into an array once."""
 
-    def __init__(self) -> None:
+    def __init__(self, prompt: int = PROMPT, max_new_tokens: int = 16) -> None:
+        self.prompt, self.max_new_tokens = prompt, max_new_tokens
         self.tokens = list(range(POOL))
+        self.lens = (prompt // 2, prompt * 3 // 4)
         self.prefixes = {
-            n: [self.tokens[POOL - (g + 1) * 2 * PROMPT :][:n] for g in range(GROUPS)]
-            for n in (1000, 1500)
+            n: [self.tokens[POOL - (g + 1) * 2 * prompt :][:n] for g in range(GROUPS)]
+            for n in self.lens
         }
         self.counter = itertools.count()
 
     def _unique(self, i: int, n: int) -> list[int]:
-        start = (i * 97) % (POOL - 20 * GROUPS * PROMPT)  # distinct first token per request
+        start = (i * 97) % (POOL - 20 * GROUPS * self.prompt)  # distinct first token per request
         return self.tokens[start : start + n]
 
     def request(self, kind: int | None = None) -> Req:
-        """The next request; of ``kind`` (0: 1,000-token prefix, 1: 1,500, 2: cold) if given."""
+        """The next request; of ``kind`` (0: short group prefix, 1: long, 2: cold) if given."""
         i = next(self.counter)
         kind = i % 3 if kind is None else kind
         if kind == 2:
-            ids = self._unique(i, PROMPT)
+            ids = self._unique(i, self.prompt)
         else:
-            prefix = self.prefixes[1000 if kind == 0 else 1500][i // 3 % GROUPS]
-            ids = prefix + self._unique(i, PROMPT - len(prefix))
-        return Req(f"k{kind}-{i}", ids, SamplingParams(max_new_tokens=16))
+            prefix = self.prefixes[self.lens[kind]][i // 3 % GROUPS]
+            ids = prefix + self._unique(i, self.prompt - len(prefix))
+        return Req(f"k{kind}-{i}", ids, SamplingParams(max_new_tokens=self.max_new_tokens))
 
 
 def fake_result(batch: Batch) -> StepResult:
     return StepResult([1 if e.sample else None for e in batch.entries])
 
 
-def build(policy: str, n: int, work: Workload) -> Scheduler:
-    cfg = SchedulerConfig(schedule_policy=policy)
-    sched = Scheduler(cfg, CacheConfig(max_total_tokens=400_000), clock=lambda: 0.0)
-    for prefix in work.prefixes[1000] + work.prefixes[1500]:  # warm the group prefixes
+def build(policy: str, n: int, work: Workload, **sched_kw: int) -> Scheduler:
+    cfg = SchedulerConfig(schedule_policy=policy, **sched_kw)
+    kv = max(400_000, 300 * (work.prompt + 2 * work.max_new_tokens) + 40 * work.prompt)
+    sched = Scheduler(cfg, CacheConfig(max_total_tokens=kv), clock=lambda: 0.0)
+    for prefix in work.prefixes[work.lens[0]] + work.prefixes[work.lens[1]]:  # warm them
         sched.add_request(Req(f"warm{len(prefix)}-{prefix[0]}", prefix + [0], SamplingParams(1)))
     while (batch := sched.step()) is not None:
         sched.on_output(batch, fake_result(batch))
@@ -113,11 +126,49 @@ def naive_pass(sched: Scheduler) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+def decode_steps(work: Workload, running: int, waiting: int, steps: int) -> float:
+    """Median ms of a decode step (step() + on_output()) with ``running`` requests decoding
+    and ``waiting`` requests queued behind them (the running cap is reached)."""
+    sched = build("lpm", 0, work, max_running_requests=running)
+    for _ in range(running):
+        sched.add_request(work.request())
+    while sched.num_running < running or sched.running.chunked is not None:
+        batch = sched.step()
+        assert batch is not None
+        sched.on_output(batch, fake_result(batch))
+    for _ in range(waiting):
+        sched.add_request(work.request())
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        batch = sched.step()
+        assert batch is not None and not batch.is_prefill and len(batch.entries) == running
+        sched.on_output(batch, fake_result(batch))
+        times.append((time.perf_counter() - t0) * 1e3)
+    assert sched.num_waiting == waiting
+    sched.check_integrity()
+    return statistics.median(times)
+
+
+def prompt_length_table(lens: list[int], passes: int) -> None:
+    """Pass and decode step at 10,000 waiting / 256 running, prompt length against time."""
+    print(f"\n10,000 waiting, 256 running (decode step) or admitting (pass); {passes} steps each")
+    print(f"{'prompt':>7}{'pass ms':>9}{'x shortest':>11}{'decode ms':>11}{'x shortest':>11}")
+    first: tuple[float, float] | None = None
+    for n in lens:
+        work = Workload(n)
+        ms, _, _, _ = timed_passes(build("lpm", 10_000, work), work, passes)
+        dec = decode_steps(Workload(n, max_new_tokens=100_000), 256, 10_000, passes)
+        first = first or (ms, dec)
+        print(f"{n:>7}{ms:>9.3f}{ms / first[0]:>10.2f}x{dec:>11.3f}{dec / first[1]:>10.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[128, 1000, 10000])
     ap.add_argument("--passes", type=int, default=30)
     ap.add_argument("--policies", nargs="+", default=["lpm", "dfs-weight"])
+    ap.add_argument("--prompt-lens", type=int, nargs="+", default=[1000, 2000, 4000])
     args = ap.parse_args()
     print(machine_line())
     print(f"workload: {PROMPT}-token prompts; 1/3 hit a cached 1,000-token prefix, 1/3 a cached")
@@ -137,6 +188,8 @@ def main() -> None:
             )
     print("pass: index refresh + policy order + admission (what SGLang's LPM pass does);")
     print("step: the whole step(), adding KV allocation and batch building for what it admits")
+    if args.prompt_lens:
+        prompt_length_table(args.prompt_lens, args.passes)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ def test_paged_alloc_takes_whole_pages() -> None:
     alloc = SlotAllocator(64, page_size=16)
     slots = alloc.alloc(17)
     assert len(slots) == 17 and alloc.available() == 32
-    assert slots[:16] == list(range(slots[0], slots[0] + 16))
+    assert list(slots[:16]) == list(range(slots[0], slots[0] + 16))
     alloc.free(slots)
     assert alloc.available() == 64
 
@@ -45,7 +45,7 @@ def test_request_table_extends_within_last_page() -> None:
     first = table.extend("r", 3)
     assert table.extend_cost("r", 1) == 0  # room left in the page
     nxt = table.extend("r", 1)
-    assert nxt == [first[-1] + 1]
+    assert list(nxt) == [first[-1] + 1]
     assert table.extend_cost("r", 1) == 4
     table.extend("r", 1)
     assert table.held() == 8 and alloc.available() == 24

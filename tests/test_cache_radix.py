@@ -9,6 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from radixserve.cache.evict import POLICIES
 from radixserve.cache.pool import SlotAllocator
 from radixserve.cache.radix import RadixCache
 from radixserve.config import CacheConfig
@@ -26,16 +27,40 @@ def prompts(max_len: int) -> st.SearchStrategy[list[int]]:
     )
 
 
+class EvictionOrderCheck:
+    """Tree listener: every evicted leaf had the smallest policy key of all the evictable
+    leaves at that moment, found by brute force (its parent, which only now became a leaf,
+    excepted)."""
+
+    def __init__(self, cache: RadixCache, policy: str) -> None:
+        self.cache, self.key = cache, POLICIES[policy].key
+        self.evicted = 0
+
+    def on_insert(self, node: object) -> None:
+        pass
+
+    def on_split(self, upper: object, lower: object) -> None:
+        pass
+
+    def on_evict(self, node) -> None:  # type: ignore[no-untyped-def]
+        c = self.cache
+        others = [n for n in c._nodes() if c._evictable_leaf(n) and n is not node.parent]
+        assert all(self.key(node) <= self.key(n) for n in others), "evicted out of order"
+        self.evicted += 1
+
+
 class RadixMachine(RuleBasedStateMachine):
     page_size = 1
     max_len = 40
+    policy = "lru"
 
     def __init__(self) -> None:
         super().__init__()
         p = self.page_size
         self.cache = RadixCache(
-            CacheConfig(page_size=p, max_total_tokens=4096, eviction_policy="lru")
+            CacheConfig(page_size=p, max_total_tokens=4096, radix_eviction_policy=self.policy)
         )
+        self.cache.listeners.append(EvictionOrderCheck(self.cache, self.policy))
         self.alloc = SlotAllocator(16 * self.max_len * p, p)
         # every cached page-aligned prefix -> the slots of its last page
         self.ref: dict[tuple[int, ...], tuple[int, ...]] = {}
@@ -54,7 +79,7 @@ class RadixMachine(RuleBasedStateMachine):
     @rule(tokens=prompts(max_len))
     def match(self, tokens: list[int]) -> None:
         result = self.cache.match_prefix(tokens)
-        assert result.slots == self.ref_match(tokens)
+        assert list(result.slots) == self.ref_match(tokens)
         assert result.length == len(result.slots)
 
     @rule(tokens=prompts(max_len))
@@ -67,16 +92,16 @@ class RadixMachine(RuleBasedStateMachine):
         if self.alloc.pages_for(need) * self.page_size > self.alloc.available():
             return
         self.cache.lock(result.last_node)
-        slots = result.slots + self.alloc.alloc(need)
+        slots = list(result.slots + self.alloc.alloc(need))
         self.running.append((tokens, slots, result.length, result.last_node))
 
     @precondition(lambda self: self.running)
-    @rule(data=st.data())
-    def finish_request(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), priority=st.integers(0, 3))
+    def finish_request(self, data: st.DataObject, priority: int) -> None:
         i = data.draw(st.integers(0, len(self.running) - 1))
         tokens, slots, matched, node = self.running.pop(i)
         end = self.aligned(len(tokens))
-        already = self.cache.insert(tokens, slots)
+        already = self.cache.insert(tokens, slots, priority=priority)
         assert matched <= already <= end
         p = self.page_size
         for k in range(already + p, end + 1, p):
@@ -129,25 +154,40 @@ class RadixMachinePaged(RadixMachine):
     max_len = 80
 
 
-class RadixMachineCompacting(RadixMachine):
-    """Every eviction that frees enough compacts the slot slab."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.cache._compact_min = 0
+def _policy_machine(policy: str) -> type[RadixMachine]:
+    return type(f"RadixMachine_{policy}", (RadixMachine,), {"policy": policy})
 
 
 TestRadixPage1 = RadixMachine.TestCase
 TestRadixPage1.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
 TestRadixPage16 = RadixMachinePaged.TestCase
 TestRadixPage16.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
-TestRadixCompacting = RadixMachineCompacting.TestCase
-TestRadixCompacting.settings = settings(max_examples=50, stateful_step_count=30, deadline=None)
+_POLICY_SETTINGS = settings(max_examples=40, stateful_step_count=30, deadline=None)
+TestRadixLFU = _policy_machine("lfu").TestCase
+TestRadixLFU.settings = _POLICY_SETTINGS
+TestRadixFIFO = _policy_machine("fifo").TestCase
+TestRadixFIFO.settings = _POLICY_SETTINGS
+TestRadixMRU = _policy_machine("mru").TestCase
+TestRadixMRU.settings = _POLICY_SETTINGS
+TestRadixFILO = _policy_machine("filo").TestCase
+TestRadixFILO.settings = _POLICY_SETTINGS
+TestRadixPriority = _policy_machine("priority").TestCase
+TestRadixPriority.settings = _POLICY_SETTINGS
+TestRadixHitBenefit = _policy_machine("hit-benefit").TestCase
+TestRadixHitBenefit.settings = _POLICY_SETTINGS
+
+
+class RadixMachinePagedBenefit(RadixMachinePaged):
+    policy = "hit-benefit"
+
+
+TestRadixPage16Benefit = RadixMachinePagedBenefit.TestCase
+TestRadixPage16Benefit.settings = _POLICY_SETTINGS
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu", "fifo"])
 def test_eviction_order(policy: str) -> None:
-    cache = RadixCache(CacheConfig(eviction_policy=policy))
+    cache = RadixCache(CacheConfig(radix_eviction_policy=policy))
     cache.insert([1, 1], [0, 1])  # oldest
     cache.insert([2, 2], [2, 3])
     cache.match_prefix([2, 2])  # used once, before [1, 1] is used thrice
@@ -155,7 +195,7 @@ def test_eviction_order(policy: str) -> None:
         cache.match_prefix([1, 1])  # [1, 1] becomes most recent and most used
     cache.insert([3, 3], [4, 5])
     first = cache.evict(1)
-    assert first == {"lru": [2, 3], "lfu": [4, 5], "fifo": [0, 1]}[policy]
+    assert list(first) == {"lru": [2, 3], "lfu": [4, 5], "fifo": [0, 1]}[policy]
 
 
 def test_parent_becomes_evictable_leaf() -> None:
@@ -173,10 +213,10 @@ def test_locked_node_survives_eviction() -> None:
     hit = cache.match_prefix([5, 6, 9])
     cache.lock(hit.last_node)
     assert (cache.protected_size(), cache.evictable_size()) == (2, 1)
-    assert cache.evict(3) == [2]
-    assert cache.match_prefix([5, 6]).slots == [0, 1]
+    assert list(cache.evict(3)) == [2]
+    assert list(cache.match_prefix([5, 6]).slots) == [0, 1]
     cache.unlock(hit.last_node)
-    assert cache.evict(3) == [0, 1]
+    assert list(cache.evict(3)) == [0, 1]
     with pytest.raises(RuntimeError):
         cache.unlock(hit.last_node)
 
@@ -186,7 +226,7 @@ def test_namespaces_never_share() -> None:
     cache.insert([1, 2, 3], [0, 1, 2], namespace="lora-a")
     assert cache.match_prefix([1, 2, 3]).length == 0
     assert cache.match_prefix([1, 2, 3], namespace="lora-b").length == 0
-    assert cache.match_prefix([1, 2, 3], namespace="lora-a").slots == [0, 1, 2]
+    assert list(cache.match_prefix([1, 2, 3], namespace="lora-a").slots) == [0, 1, 2]
     assert cache.insert([1, 2, 3], [7, 8, 9], namespace="lora-b") == 0
     cache.check_integrity()
 
@@ -221,10 +261,10 @@ def test_fresh_int_objects_and_other_sequence_types_match() -> None:
     fresh = array("q", toks).tolist()
     assert all(a is not b for a, b in zip(toks, fresh))
     for query in (fresh, tuple(fresh), array("Q", fresh), range(1000, 1050)):
-        assert cache.match_prefix(query).slots == list(range(50))
+        assert list(cache.match_prefix(query).slots) == list(range(50))
     assert cache.match_prefix(fresh[:30] + [7]).length == 30  # splits the node after 30
     assert cache.insert(tuple(fresh[:30]) + (5, 6), range(100, 132)) == 30
-    assert cache.match_prefix(fresh[:30] + [5, 6]).slots == [*range(30), 130, 131]
+    assert list(cache.match_prefix(fresh[:30] + [5, 6]).slots) == [*range(30), 130, 131]
     cache.check_integrity()
 
 
@@ -236,8 +276,8 @@ def test_token_ids_are_unsigned_64_bit() -> None:
     big = [1, 2, 2**40, 2**64 - 1]
     assert cache.insert(big, [0, 1, 4, 5]) == 2
     cache.check_integrity()
-    assert cache.match_prefix(array("q", [1, 2, 3, 4]).tolist()).slots == [0, 1, 2, 3]
-    assert cache.match_prefix([1, 2, 2**40, 2**64 - 1, 7]).slots == [0, 1, 4, 5]
+    assert list(cache.match_prefix(array("q", [1, 2, 3, 4]).tolist()).slots) == [0, 1, 2, 3]
+    assert list(cache.match_prefix([1, 2, 2**40, 2**64 - 1, 7]).slots) == [0, 1, 4, 5]
     for bad in (-1, 2**64, 1.5):
         with pytest.raises(ValueError, match="token ids"):
             cache.insert([1, 2, bad, 0], [5, 6, 7, 8])
@@ -255,28 +295,26 @@ def test_match_slots_survive_later_splits_and_evictions() -> None:
     cache.insert([1, 2, 3, 4, 5, 6], [10, 11, 12, 13, 14, 15])
     hit = cache.match_prefix([1, 2, 3, 4, 5, 6])
     early = cache.match_prefix([1, 2, 3, 4, 5, 6])
-    assert early.slots == [10, 11, 12, 13, 14, 15]
+    assert list(early.slots) == [10, 11, 12, 13, 14, 15]
     cache.match_prefix([1, 2, 9])  # splits the node after [1, 2]
     cache.insert([1, 2, 3, 4, 7], [10, 11, 12, 13, 20])  # and after [1, 2, 3, 4]
     assert hit.slots == early.slots
-    cache._compact_min = 0  # evictions that leave half the slot slab dead compact it
     kept = cache.match_prefix([1, 2, 3, 4, 7])
     unread = cache.match_prefix([1, 2, 3, 4, 5, 6])  # its slots are first read after eviction
     cache.lock(kept.last_node)
     assert sorted(cache.evict(100)) == [14, 15]
-    cache._compact()  # live nodes move to a new slab, the evicted leaf keeps the old one
-    assert len(cache._slab) == 5
-    assert unread.slots == [10, 11, 12, 13, 14, 15] and unread.length == 6
+    assert sum(len(n.value) for n in cache._nodes()) == 5  # the evicted leaf kept its own
+    assert list(unread.slots) == [10, 11, 12, 13, 14, 15] and unread.length == 6
     assert hit.slots == early.slots and hit.length == 6
-    assert kept.slots == [10, 11, 12, 13, 20]
-    assert cache.match_prefix([1, 2, 3, 4, 7, 8]).slots == [10, 11, 12, 13, 20]
+    assert list(kept.slots) == [10, 11, 12, 13, 20]
+    assert list(cache.match_prefix([1, 2, 3, 4, 7, 8]).slots) == [10, 11, 12, 13, 20]
     cache.check_integrity()
     cache.unlock(kept.last_node)
     unread = cache.match_prefix([1, 2, 3, 4, 7])
     assert sorted(cache.evict(100)) == [10, 11, 12, 13, 20]
-    assert cache._slab == []  # all dead: compacted by evict itself
-    assert unread.slots == [10, 11, 12, 13, 20]
-    assert kept.slots == [10, 11, 12, 13, 20] and hit.slots == early.slots
+    assert cache.total_size() == 0
+    assert list(unread.slots) == [10, 11, 12, 13, 20]
+    assert list(kept.slots) == [10, 11, 12, 13, 20] and hit.slots == early.slots
     cache.check_integrity()
 
 
@@ -285,8 +323,8 @@ def test_ids_in_an_array_of_the_key_type_match_like_a_list() -> None:
     seq = [300 + i for i in range(50)]
     cache.insert(array(cache.key_typecode, seq[:30]), list(range(30)))
     hit = cache.match_prefix(array(cache.key_typecode, seq))
-    assert hit.length == 30 and hit.slots == list(range(30))
+    assert hit.length == 30 and list(hit.slots) == list(range(30))
     assert cache.insert(array(cache.key_typecode, seq), list(range(100, 150))) == 30
-    assert cache.match_prefix(seq).slots == list(range(30)) + list(range(130, 150))
+    assert list(cache.match_prefix(seq).slots) == list(range(30)) + list(range(130, 150))
     assert cache.match_prefix(array("q", seq)).length == 50  # another typecode: converted
     cache.check_integrity()

@@ -331,7 +331,7 @@ def test_a_finished_request_is_cached_whole_but_its_last_token(page: int) -> Non
     req = make_req("r", tokens(rng, 41), 10)
     sched.add_request(req)
     drive(sched, runner)
-    computed = req.input_ids + req.output_ids[:-1]  # the last token's KV is never computed
+    computed = [*req.input_ids, *req.output_ids[:-1]]  # the last token's KV is never computed
     whole = len(computed) - len(computed) % page
     assert sched.cache.match_prefix(computed + req.output_ids[-1:]).length == whole
     assert sched.cache.total_size() == whole
@@ -346,7 +346,7 @@ def test_a_chunked_prompt_is_cached_after_each_chunk() -> None:
         one_step(sched, runner)
         assert sched.cache.match_prefix(req.input_ids).length == n
         assert sched.cache.protected_size() == n  # locked by the request that is filling it
-    twin = make_req("twin", req.input_ids + [5], 4)  # arrives mid-prefill: reuses the chunks
+    twin = make_req("twin", [*req.input_ids, 5], 4)  # arrives mid-prefill: reuses the chunks
     sched.add_request(twin)
     drive(sched, runner)
     assert twin.cached_tokens == 192

@@ -94,7 +94,7 @@ def test_finish_from_outside_caches_the_request() -> None:
     assert sched.finish("r", FinishReason.STOP)
     assert req.state is ReqState.FINISHED and req.finish_reason is FinishReason.STOP
     sched.check_integrity()
-    cached = req.input_ids + req.output_ids[:-1]
+    cached = [*req.input_ids, *req.output_ids[:-1]]
     assert sched.cache.match_prefix(cached).length == len(cached)  # cached whole
 
 

@@ -25,7 +25,11 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     page_size: int = _f(1, "tokens per KV page; matches and inserts are truncated to whole pages")
-    eviction_policy: str = _f("lru", "radix-tree eviction order", choices=("lru", "lfu", "fifo"))
+    radix_eviction_policy: str = _f(
+        "lru",
+        "radix-tree eviction order (hit-benefit: least decayed hits x tokens saved first)",
+        choices=("lru", "lfu", "fifo", "mru", "filo", "priority", "hit-benefit"),
+    )
     disable_radix_cache: bool = _f(False, "turn prefix reuse off (every prompt is computed whole)")
     max_total_tokens: int = _f(65536, "KV slots in the pool (tokens)")
 

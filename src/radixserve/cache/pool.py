@@ -5,8 +5,14 @@ Slot ids index the model's KV tensors; pages are ``page_size`` consecutive slots
 
 from __future__ import annotations
 
+from array import array
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import repeat
+from operator import floordiv
+
+from radixserve.cache.tokens import SLOT_CODE
 
 
 class SlotError(RuntimeError):
@@ -14,7 +20,11 @@ class SlotError(RuntimeError):
 
 
 class SlotAllocator:
-    """Hands out token slots in whole pages; ``page_size == 1`` makes it token-granular."""
+    """Hands out token slots in whole pages; ``page_size == 1`` makes it token-granular.
+
+    Slots come and go as ``array('q')``: a free of thousands of slots (an eviction, a finished
+    request) checks and clears them with C-speed slice operations when they are one run of
+    pages, which is the common case, and with one sort of the page ids otherwise."""
 
     def __init__(self, num_slots: int, page_size: int = 1) -> None:
         if page_size < 1 or num_slots < page_size:
@@ -30,89 +40,134 @@ class SlotAllocator:
     def reset(self) -> None:
         # freed pages are reused last-freed first; then never-used pages, low ids first. The
         # never-used ones are a counter, not a list: a pool of 400k pages starts in no time
-        self._free_pages: list[int] = []
+        # the freed pages: a stack in a buffer of the pool's size, filled to _nfree, so a free
+        # is one slice copy, never a regrowth of the whole list (a page is freed at most once)
+        self._free_buf = array(SLOT_CODE, [0]) * self.num_pages
+        self._nfree = 0
         self._fresh = 0  # pages [_fresh, num_pages) were never handed out
         self._in_use = bytearray(self.num_pages)
+        # iota[i] == i for every slot handed out so far: runs of slot and page ids are sliced
+        # from it (a memcpy) instead of built from a range (an int object per id)
+        self._iota = array(SLOT_CODE)
 
     def available(self) -> int:
         """Free token slots (whole pages)."""
-        return (len(self._free_pages) + self.num_pages - self._fresh) * self.page_size
+        return (self._nfree + self.num_pages - self._fresh) * self.page_size
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    def alloc(self, num_tokens: int) -> list[int]:
+    def alloc(self, num_tokens: int) -> array:
         """Slots for ``num_tokens`` tokens, in ``ceil(num_tokens / page_size)`` fresh pages.
         The unused tail of the last page stays reserved for the same owner (see ``extend``)."""
         if num_tokens < 0:
             raise ValueError(f"cannot allocate {num_tokens} slots")
-        p, free = self.page_size, self._free_pages
+        p = self.page_size
         pages = -(-num_tokens // p)
-        if pages > len(free) + self.num_pages - self._fresh:
+        if pages > self._nfree + self.num_pages - self._fresh:
             raise SlotError(f"out of KV slots: need {num_tokens}, have {self.available()}")
         if pages == 1:  # a decode step: one page per request
-            if free:
-                page = free.pop()
+            if self._nfree:
+                self._nfree -= 1
+                page = self._free_buf[self._nfree]
             else:
                 page = self._fresh
                 self._fresh += 1
             self._in_use[page] = 1
-            return [page] if p == 1 else list(range(page * p, page * p + num_tokens))
+            return array(SLOT_CODE, (page,) if p == 1 else range(page * p, page * p + num_tokens))
         if not pages:
-            return []
+            return array(SLOT_CODE)
         taken = self._take(pages)
-        lo = min(taken)
-        if max(taken) - lo == pages - 1:  # free pages are distinct: these are lo .. lo+pages-1
-            self._in_use[lo : lo + pages] = b"\x01" * pages
-        else:
-            in_use = self._in_use
-            for page in taken:
-                in_use[page] = 1
+        self._mark(taken, 1)
         if p == 1:
             return taken
-        out = [s for page in taken for s in range(page * p, page * p + p)]
+        out = array(SLOT_CODE)
+        for page in taken:
+            out.extend(range(page * p, page * p + p))
         del out[num_tokens:]
         return out
 
-    def _take(self, pages: int) -> list[int]:
+    def _take(self, pages: int) -> array:
         """The next ``pages`` free pages in handing-out order (there are enough)."""
-        free = self._free_pages
-        reused = min(pages, len(free))
-        taken = free[-reused:] if reused else []
-        del free[len(free) - reused :]
-        taken.reverse()  # last freed first
+        n = self._nfree
+        reused = min(pages, n)
+        taken = self._free_buf[n - reused : n]  # the last freed, in the order they were freed:
+        self._nfree = n - reused  # a run freed whole comes back as an ascending run
         if pages > reused:
             fresh = self._fresh
             self._fresh = fresh + pages - reused
-            taken += range(fresh, self._fresh)
+            taken += self._iota_to(self._fresh * self.page_size)[fresh : self._fresh]
         return taken
 
+    def _iota_to(self, n: int) -> array:
+        iota = self._iota
+        if len(iota) < n:
+            iota.extend(range(len(iota), n))  # once per slot ever handed out
+        return iota
+
+    def _mark(self, pages: array, flag: int) -> None:
+        """Set the in-use flag of ``pages``: one slice when they are a run, else a C-level map."""
+        lo, hi = min(pages), max(pages)
+        if hi - lo == len(pages) - 1:  # distinct pages: these are lo .. hi
+            self._in_use[lo : hi + 1] = (b"\x01" if flag else b"\x00") * len(pages)
+        else:
+            deque(map(self._in_use.__setitem__, pages, repeat(flag)), maxlen=0)
+
+    def free_runs(self, runs: Sequence[Sequence[int]]) -> None:
+        """``free`` each of ``runs`` (an eviction's leaves: each usually one run of slots)."""
+        for run in runs:
+            self.free(run)
+
     def free(self, slots: Sequence[int]) -> None:
-        """Return the pages holding ``slots`` (every slot of a page must be the caller's)."""
-        p = self.page_size
-        pages = sorted(set(slots) if p == 1 else {s // p for s in slots})
-        if not pages:
+        """Return the pages holding ``slots`` (every slot of a page must be the caller's).
+        Refused whole (SlotError) if any page is outside the pool or not in use."""
+        if not len(slots):
             return
-        in_use, lo, hi = self._in_use, pages[0], pages[-1]
-        if hi - lo == len(pages) - 1 and 0 <= lo and hi < self.num_pages:
-            if in_use.find(0, lo, hi + 1) < 0:  # a run of pages, all in use (checked in C)
-                in_use[lo : hi + 1] = bytes(len(pages))
-                self._free_pages += pages
-                return
-        outside = lo < 0 or hi >= self.num_pages
-        for page in pages:  # errors name the lowest bad page
-            if outside and not 0 <= page < self.num_pages:
-                raise SlotError(f"slot page {page} is outside the pool")
-            if not in_use[page]:
-                raise SlotError(f"double free, or free of a never-allocated slot (page {page})")
-        for page in pages:
-            in_use[page] = 0
-        self._free_pages += pages
+        if self._free_run(slots):
+            return
+        pages = self._pages_of(slots)
+        lo, hi = pages[0], pages[-1]
+        if not (0 <= lo and hi < self.num_pages):
+            bad = next(pg for pg in pages if not 0 <= pg < self.num_pages)
+            raise SlotError(f"slot page {bad} is outside the pool")
+        in_use = self._in_use
+        if not all(map(in_use.__getitem__, pages)):  # C-level scan
+            bad = next(pg for pg in pages if not in_use[pg])
+            raise SlotError(f"double free, or free of a never-allocated slot (page {bad})")
+        self._mark(pages, 0)
+        self._push_free(pages)
+
+    def _free_run(self, slots: Sequence[int]) -> bool:
+        """Free ``slots`` at C speed if they are one ascending run of whole pages, all in use
+        (an evicted leaf, a finished request's own slots); False (nothing done) otherwise."""
+        p, lo, n, iota = self.page_size, slots[0], len(slots), self._iota
+        hi = lo + n  # exclusive
+        if lo < 0 or lo % p or hi % p or hi > len(iota) or slots[-1] != hi - 1:
+            return False
+        if type(slots) is not array or slots.typecode != SLOT_CODE or slots != iota[lo:hi]:
+            return False
+        if self._in_use.find(0, lo // p, hi // p) >= 0:
+            return False  # a page not in use: the slow path names it
+        self._in_use[lo // p : hi // p] = bytes(n // p)
+        self._push_free(slots if p == 1 else iota[lo // p : hi // p])
+        return True
+
+    def _push_free(self, pages: array) -> None:
+        n = self._nfree
+        self._free_buf[n : n + len(pages)] = pages  # same length: a copy in place
+        self._nfree = n + len(pages)
+
+    def _pages_of(self, slots: Sequence[int]) -> array:
+        """The distinct pages of ``slots``, ascending, as an array."""
+        p = self.page_size
+        if p == 1:
+            return array(SLOT_CODE, sorted(set(slots)))
+        return array(SLOT_CODE, sorted(set(map(floordiv, slots, repeat(p)))))
 
 
 @dataclass(slots=True)
 class _Entry:
-    slots: list[int]
+    slots: array  # array('q'): one per request, extended in place
     owned_from: int  # slots[:owned_from] belong to the radix cache, the rest to the request
 
 
@@ -135,9 +190,9 @@ class RequestSlotTable:
             raise SlotError(f"request {rid!r} already holds slots")
         if len(prefix_slots) % self.allocator.page_size:
             raise ValueError("a cached prefix must be whole pages")
-        self._entries[rid] = _Entry(list(prefix_slots), len(prefix_slots))
+        self._entries[rid] = _Entry(array(SLOT_CODE, prefix_slots), len(prefix_slots))
 
-    def slots(self, rid: str) -> list[int]:
+    def slots(self, rid: str) -> array:
         return self._entries[rid].slots
 
     def owned_from(self, rid: str) -> int:
@@ -150,13 +205,13 @@ class RequestSlotTable:
         short = n - (-(len(e.slots) - e.owned_from) % p)  # minus the room left in the last page
         return -(-short // p) * p if short > 0 else 0
 
-    def extend(self, rid: str, n: int) -> list[int]:
+    def extend(self, rid: str, n: int) -> array:
         """Slots for ``n`` more positions: the rest of the last owned page first, then new pages."""
         e = self._entries[rid]
         slots = e.slots
         room = min(-(len(slots) - e.owned_from) % self.allocator.page_size, n)
         if room:
-            new = list(range(slots[-1] + 1, slots[-1] + 1 + room))
+            new = array(SLOT_CODE, range(slots[-1] + 1, slots[-1] + 1 + room))
             if n > room:
                 new += self.allocator.alloc(n - room)
         else:
@@ -176,10 +231,14 @@ class RequestSlotTable:
         own, theirs = e.slots[e.owned_from : n], cached_slots[e.owned_from : n]
         if own != theirs:  # compared in C: usually the tree took the request's own slots
             self.allocator.free([s for s, c in zip(own, theirs) if s != c])
-        e.slots[:n] = cached_slots
+        e.slots[:n] = (
+            cached_slots
+            if type(cached_slots) is array and cached_slots.typecode == SLOT_CODE
+            else array(SLOT_CODE, cached_slots)
+        )
         e.owned_from = n
 
-    def close(self, rid: str) -> list[int]:
+    def close(self, rid: str) -> array:
         """Forget the request and free its own slots; returns the cached prefix it had."""
         e = self._entries.pop(rid)
         own = e.slots[e.owned_from :]

@@ -12,150 +12,25 @@ a match or insert turns the caller's list into one with a single C pass (``array
 about as cheap as reading the list once), after which every comparison is a C compare of raw
 bytes. Comparing Python lists instead costs a rich compare per token whenever the caller's ints
 are not the very objects that were inserted, which is always the case for a newly tokenized
-request. Slot ids live in one list per cache (the slab, see ``reset``), so the garbage collector
-has no per-node list to traverse and a split copies nothing.
+request. Callers that hold their ids in an array already (``token_array``: the scheduler's
+requests do, from the tokenizer on) pay no conversion at all. Each node's slot ids are its own
+``array('q')`` (not a list: the garbage collector never traverses it), so an insert copies the
+new suffix's slots once and an eviction hands the leaf's array to the allocator as it is.
+Eviction order is a heap of the evictable leaves (``cache.evict``): O(log n) per evicted leaf.
 """
 
 from __future__ import annotations
 
-import heapq
 from array import array
 from collections.abc import Hashable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
+from radixserve.cache.evict import POLICIES, EvictionHeap, add_hit
+from radixserve.cache.node import MatchResult, TreeListener, TreeNode, path_slots
+from radixserve.cache.tokens import SLOT_CODE, common_len, token_array
 from radixserve.config import CacheConfig
 
-
-class TreeNode:
-    """One edge of the tree: ``key`` holds its token ids as an ``array`` of unsigned ints
-    (compact, compared in C, not traversed by the garbage collector); its KV slot ids are
-    ``slab[lo:hi]``, a range of one list per cache that only ever grows (``value``)."""
-
-    __slots__ = (
-        "children", "parent", "key", "slab", "lo", "hi", "lock_ref", "last_access", "hits", "born"
-    )  # fmt: skip
-
-    def __init__(
-        self, key: array, slab: list[int], lo: int, hi: int, parent: TreeNode | None, tick: int
-    ):
-        self.children: dict[Any, TreeNode] = {}
-        self.parent = parent
-        self.key = key
-        self.slab, self.lo, self.hi = slab, lo, hi
-        self.lock_ref = 0
-        self.last_access = tick
-        self.hits = 0
-        self.born = tick
-
-    @property
-    def value(self) -> list[int]:
-        """The KV slot ids of this node's tokens, as a new list."""
-        return self.slab[self.lo : self.hi]
-
-    @property
-    def is_root(self) -> bool:
-        return self.parent is None or self.parent.parent is None
-
-    def __repr__(self) -> str:
-        return f"TreeNode(len={len(self.key)}, lock={self.lock_ref}, kids={len(self.children)})"
-
-
-class MatchResult:
-    """A match: ``length`` cached tokens ending at ``last_node``, and their KV ``slots``.
-
-    ``slots`` is built on first access, from the values on the path from ``last_node`` up to the
-    root: splits keep that concatenation unchanged and evicted nodes keep their values, so it is
-    the list the match would have returned, and a caller that needs only the length and the node
-    (the scheduler's prefix index) never pays one slot id copied per cached token."""
-
-    __slots__ = ("_slots", "last_node", "length")
-
-    def __init__(self, slots: list[int] | None, last_node: TreeNode, length: int) -> None:
-        self._slots = slots
-        self.last_node = last_node
-        self.length = length
-
-    @property
-    def slots(self) -> list[int]:
-        if self._slots is None:
-            self._slots = path_slots(self.last_node)
-        return self._slots
-
-    @slots.setter
-    def slots(self, value: list[int]) -> None:
-        self._slots = value
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, MatchResult):
-            return NotImplemented
-        return (self.slots, self.last_node, self.length) == (
-            other.slots,
-            other.last_node,
-            other.length,
-        )
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        return f"MatchResult(length={self.length}, last_node={self.last_node!r})"
-
-
-def path_slots(node: TreeNode) -> list[int]:
-    """The slots of the cached prefix that ends at ``node``, as one new list."""
-    runs: list[tuple[list[int], int, int]] = []  # (slab, lo, hi), the deepest first
-    while node.key:  # the root and the namespace roots have empty keys
-        if runs and runs[-1][0] is node.slab and runs[-1][1] == node.hi:
-            runs[-1] = (node.slab, node.lo, runs[-1][2])  # adjacent in the slab: one slice
-        else:
-            runs.append((node.slab, node.lo, node.hi))
-        node = node.parent  # type: ignore[assignment]
-    if not runs:
-        return []
-    slab, lo, hi = runs.pop()
-    out = slab[lo:hi]
-    while runs:
-        slab, lo, hi = runs.pop()
-        out += slab[lo:hi]
-    return out
-
-
-class TreeListener(Protocol):
-    """Told of every structural change, so an index over the tree (the scheduler's incremental
-    prefix matches) can update only what a change affects."""
-
-    def on_split(self, upper: TreeNode, lower: TreeNode) -> None: ...
-    def on_insert(self, node: TreeNode) -> None: ...
-    def on_evict(self, node: TreeNode) -> None: ...
-
-
-_COMPACT_MIN = 1 << 16  # evicted slab entries worth a compaction (when also half the slab)
-
-_ORDER = {
-    "lru": lambda n: n.last_access,
-    "lfu": lambda n: (n.hits, n.last_access),
-    "fifo": lambda n: n.born,
-}
-
-
-def _common_len(key: array, query: array, start: int, end: int) -> int:
-    """Length of the common prefix of ``key`` and ``query[start:end]``, for a caller that found
-    they are not equal over the whole of ``key``.
-
-    C-speed slice comparisons: one for a query that ends inside the key, then a binary search
-    for where a mismatch lies that compares only the half still in doubt, so O(n) in all."""
-    n = len(key)
-    if end - start < n:
-        n = end - start
-        if query[start:end] == key[:n]:
-            return n
-    lo, hi = 0, n  # key[:lo] == query[start:start+lo]; the first difference is in [lo, hi)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if key[lo:mid] == query[start + lo : start + mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
+__all__ = ["MatchResult", "RadixCache", "TreeListener", "TreeNode", "path_slots", "token_array"]
 
 
 class RadixCache:
@@ -164,11 +39,13 @@ class RadixCache:
     def __init__(self, config: CacheConfig | None = None) -> None:
         self.config = config or CacheConfig()
         self.page_size = self.config.page_size
-        if self.config.eviction_policy not in _ORDER:
-            raise ValueError(f"unknown eviction policy {self.config.eviction_policy!r}")
-        self._order = _ORDER[self.config.eviction_policy]
+        name = self.config.radix_eviction_policy
+        if name not in POLICIES:
+            raise ValueError(f"unknown eviction policy {name!r}")
+        self._policy = POLICIES[name]
+        self._rekey_on_access = not self._policy.monotone  # mru: an access lowers the key
+        self._benefit = name == "hit-benefit"  # only this policy pays for the decayed sums
         self.listeners: list[TreeListener] = []
-        self._compact_min = _COMPACT_MIN
         self.reset()
 
     # -- sizes -------------------------------------------------------------------------------
@@ -181,20 +58,17 @@ class RadixCache:
     def total_size(self) -> int:
         return self._evictable + self._protected
 
-    def reset(self) -> list[int]:
+    def reset(self) -> array:
         """Drop every entry and return the slots they held. Refused while anything is locked."""
         if getattr(self, "_protected", 0):
             raise RuntimeError("cannot reset the radix cache while requests hold locked prefixes")
-        freed = [s for node in self._nodes() for s in node.value] if hasattr(self, "root") else []
+        freed = array(SLOT_CODE)
+        for node in self._nodes() if hasattr(self, "root") else ():
+            freed += node.value
         self._tick = 0
         self._code, self._width = "I", 4  # 32-bit token ids until a larger one arrives
-        # Every node's slots live in this one list (a node holds a range of it), so an insert
-        # adds no list for the garbage collector to traverse. Ranges are never overwritten:
-        # evicted ones stay until _compact() copies the live ones into a new slab, so a node
-        # that left the tree (and a MatchResult that ends at it) keeps its slots.
-        self._slab: list[int] = []
-        self._dead = 0  # slab entries that belong to evicted nodes
-        self.root = TreeNode(array("I"), self._slab, 0, 0, None, 0)
+        self._evq = EvictionHeap(self._policy)
+        self.root = TreeNode(array("I"), array(SLOT_CODE), None, 0)
         self.root.lock_ref = 1
         self._namespaces = self.root.children  # namespace -> its root
         self._evictable = 0
@@ -236,7 +110,7 @@ class RadixCache:
     def namespace_root(self, namespace: Hashable | None) -> TreeNode:
         node = self.root.children.get(namespace)
         if node is None:
-            node = TreeNode(array(self._code), self._slab, 0, 0, self.root, self._tick)
+            node = TreeNode(array(self._code), array(SLOT_CODE), self.root, self._tick)
             node.lock_ref = 1  # namespace roots are never evicted
             self.root.children[namespace] = node
         return node
@@ -270,17 +144,22 @@ class RadixCache:
         if query is None:
             query = self._encode(tokens)
         raw, width = query.tobytes(), self._width  # raw.startswith(key, offset): no slicing
+        benefit, rekey = self._benefit, self._rekey_on_access
         pos = 0
         while True:
             key = child.key
             n = len(key)
             if n > end - pos or not raw.startswith(key, pos * width):
-                n = _common_len(key, query, pos, end)
+                n = common_len(key, query, pos, end)
                 n -= n % page
                 if n < len(key):
                     child = self._split(child, n)
             child.last_access = tick
             child.hits += 1
+            if benefit:
+                add_hit(child, tick)
+            if rekey and child.hseq is not None:
+                self._evq.rekey(child)
             pos += n
             node = child
             if pos == end:
@@ -291,10 +170,15 @@ class RadixCache:
         return MatchResult(None, node, pos)
 
     def insert(
-        self, tokens: Sequence[int], slots: Sequence[int], namespace: Hashable | None = None
+        self,
+        tokens: Sequence[int],
+        slots: Sequence[int],
+        namespace: Hashable | None = None,
+        priority: int = 0,
     ) -> int:
         """Cache ``tokens`` -> ``slots`` (whole pages); returns how many leading tokens were
-        already cached, whose slots in ``slots`` the caller must free if they are its own."""
+        already cached, whose slots in ``slots`` the caller must free if they are its own.
+        ``priority`` (the request's) raises the priority of every node on the path."""
         if len(slots) < len(tokens):
             raise ValueError(f"{len(tokens)} tokens but only {len(slots)} slots")
         tokens, query, end, node, tick = self._begin(tokens, namespace)
@@ -308,24 +192,35 @@ class RadixCache:
             first = tokens[pos] if page == 1 else tuple(tokens[pos : pos + page])
             child = node.children.get(first)
             if child is None:
-                slab = self._slab
-                lo = len(slab)
-                slab += slots[pos:end]
-                self._add_leaf(
-                    node, first, TreeNode(query[pos:end], slab, lo, len(slab), node, tick)
-                )
+                leaf = self._new_leaf(query, slots, pos, end, node, tick)
+                leaf.priority = priority
+                self._add_leaf(node, first, leaf)
+                self._evq.offer(leaf)
                 break
             key = child.key
             n = len(key)
             if n > end - pos or query[pos : pos + n] != key:
-                n = _common_len(key, query, pos, end)
+                n = common_len(key, query, pos, end)
                 n -= n % page
                 if n < len(key):
                     child = self._split(child, n)
             child.last_access = tick
+            if priority > child.priority:
+                child.priority = priority
+            if self._rekey_on_access and child.hseq is not None:
+                self._evq.rekey(child)
             pos += n
             node = child
         return pos
+
+    def _new_leaf(
+        self, query: array, slots: Sequence[int], pos: int, end: int, parent: TreeNode, tick: int
+    ) -> TreeNode:
+        if type(slots) is array and slots.typecode == SLOT_CODE:
+            value = slots[pos:end]  # one C copy
+        else:
+            value = array(SLOT_CODE, slots[pos:end])
+        return TreeNode(query[pos:end], value, parent, tick)
 
     def _add_leaf(self, parent: TreeNode, first: Any, leaf: TreeNode) -> None:
         parent.children[first] = leaf
@@ -337,15 +232,18 @@ class RadixCache:
         """Cut ``child`` after ``n`` tokens; the new upper node takes its place in the parent."""
         parent = child.parent
         assert parent is not None and 0 < n < len(child.key)
-        upper = TreeNode(child.key[:n], child.slab, child.lo, child.lo + n, parent, child.born)
+        upper = TreeNode(child.key[:n], child.value[:n], parent, child.born)
         upper.lock_ref, upper.last_access, upper.hits = (
             child.lock_ref,
             child.last_access,
             child.hits,
         )
-        child.key, child.lo, child.parent = child.key[n:], child.lo + n, upper
+        upper.priority, upper.benefit = child.priority, child.benefit
+        child.key, child.value, child.parent = child.key[n:], child.value[n:], upper
         upper.children[self._child_key(child.key, 0)] = child
         parent.children[self._child_key(upper.key, 0)] = upper
+        if self._benefit:  # fewer tokens: a lower benefit, so an earlier place in the heap
+            self._evq.rekey(child)
         for listener in self.listeners:
             listener.on_split(upper, child)
         return upper
@@ -368,36 +266,37 @@ class RadixCache:
             if node.lock_ref == 0:
                 self._evictable += len(node.key)
                 self._protected -= len(node.key)
+                if not node.children:
+                    self._evq.offer(node)
             node = node.parent  # type: ignore[assignment]
 
     # -- eviction ----------------------------------------------------------------------------
-    def evict(self, num_tokens: int) -> list[int]:
+    def evict(self, num_tokens: int) -> array:
         """Free at least ``num_tokens`` (if that many are evictable) from unlocked leaves in
-        policy order; returns the freed slots for the caller to give back to the allocator."""
-        order = self._order
-        heap = [(order(n), id(n), n) for n in self._nodes() if self._evictable_leaf(n)]
-        heapq.heapify(heap)
-        freed: list[int] = []
-        while len(freed) < num_tokens and heap:
-            _, _, leaf = heapq.heappop(heap)
-            parent = leaf.parent
-            assert parent is not None
-            self._remove_leaf(leaf)
-            freed += leaf.value
-            if self._evictable_leaf(parent):
-                heapq.heappush(heap, (order(parent), id(parent), parent))
-        if self._dead > self._compact_min and 2 * self._dead > len(self._slab):
-            self._compact()
+        policy order; returns the freed slots, one array, for the caller to give back to the
+        allocator. O(log n) per evicted leaf: the leaves wait in a heap (``cache.evict``)."""
+        freed = array(SLOT_CODE)
+        for run in self.evict_runs(num_tokens):
+            freed += run
         return freed
 
-    def _compact(self) -> None:
-        """Copy the live nodes' slots into a new slab; the old one stays with evicted nodes."""
-        slab: list[int] = []
-        for node in self._nodes():
-            lo = len(slab)
-            slab += node.slab[node.lo : node.hi]
-            node.slab, node.lo, node.hi = slab, lo, len(slab)
-        self._slab, self._dead = slab, 0
+    def evict_runs(self, num_tokens: int) -> list[array]:
+        """``evict``, with the freed slots as one array per evicted leaf (the leaf's own, not
+        copied), which an allocator frees a run at a time (``SlotAllocator.free_runs``)."""
+        runs: list[array] = []
+        evq, evictable = self._evq, self._evictable_leaf
+        n = 0
+        while n < num_tokens:
+            leaf = evq.pop(evictable)
+            if leaf is None:
+                break
+            parent = leaf.parent
+            self._remove_leaf(leaf)
+            runs.append(leaf.value)  # its own array: nothing copied
+            n += len(leaf.value)
+            if evictable(parent):
+                evq.offer(parent)
+        return runs
 
     def _evictable_leaf(self, node: TreeNode) -> bool:
         return not node.children and node.lock_ref == 0 and not node.is_root
@@ -407,7 +306,7 @@ class RadixCache:
         assert parent is not None
         del parent.children[self._child_key(leaf.key, 0)]
         self._evictable -= len(leaf.key)
-        self._dead += leaf.hi - leaf.lo
+        self._evq.drop(leaf)
         for listener in self.listeners:
             listener.on_evict(leaf)
 
@@ -423,8 +322,8 @@ class RadixCache:
     def check_integrity(self) -> None:
         """Recount every running counter and check every structural invariant."""
         evictable = protected = 0
-        live = 0
         seen_slots: set[int] = set()
+        leaves: list[TreeNode] = []  # the evictable ones, each with a live heap entry
         for node in self._nodes():
             for key, child in node.children.items():
                 assert child.parent is node, "child's parent pointer is wrong"
@@ -434,10 +333,8 @@ class RadixCache:
                 assert not node.key and not node.value and node.lock_ref >= 1
                 continue
             assert type(node.key) is array and node.key.typecode == self._code, "key not encoded"
-            assert node.slab is self._slab, "node outside the live slab"
-            assert 0 <= node.lo < node.hi <= len(self._slab), "slab range out of bounds"
-            assert len(node.key) == node.hi - node.lo, "key/value length mismatch"
-            live += node.hi - node.lo
+            assert type(node.value) is array and node.value.typecode == SLOT_CODE, "value type"
+            assert len(node.key) == len(node.value) > 0, "key/value length mismatch"
             assert len(node.key) % self.page_size == 0, "node not page aligned"
             assert node.lock_ref >= sum(c.lock_ref for c in node.children.values()), "lock_ref"
             assert seen_slots.isdisjoint(node.value), "a slot is held by two nodes"
@@ -446,6 +343,8 @@ class RadixCache:
                 protected += len(node.key)
             else:
                 evictable += len(node.key)
+                if not node.children:
+                    leaves.append(node)
         assert evictable == self._evictable, f"evictable {self._evictable} != {evictable}"
         assert protected == self._protected, f"protected {self._protected} != {protected}"
-        assert live + self._dead == len(self._slab), "slab entries lost or counted twice"
+        self._evq.check(leaves)

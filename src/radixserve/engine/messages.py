@@ -9,6 +9,7 @@ detokenizer -> tokenizer mgr:   TextBatch, ErrorOut, ControlOut
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +20,7 @@ from radixserve.sched.request import SamplingParams
 @dataclass(slots=True)
 class GenerateReq:
     rid: str
-    input_ids: list[int]
+    input_ids: Sequence[int]  # an array from the tokenizer manager (token_array)
     sampling: SamplingParams
     priority: int = 0
     routing_key: str | None = None

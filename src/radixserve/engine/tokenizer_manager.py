@@ -10,6 +10,7 @@ import dataclasses
 import itertools
 import os
 import uuid
+from array import array
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from radixserve.cache.tokens import token_array
 from radixserve.engine.messages import (
     AbortReq,
     ControlOut,
@@ -129,11 +131,13 @@ class TokenizerManager:
         self._ctx.term()
 
     # -- requests ------------------------------------------------------------------------------
-    def tokenize(self, inp: GenerateInput) -> list[int]:
+    def tokenize(self, inp: GenerateInput) -> array:
+        """The prompt's token ids as a compact array (``token_array``): converted here once,
+        they cross to the scheduler and live in its ``Req`` and radix tree as they are."""
         if inp.input_ids is not None:
-            ids = list(inp.input_ids)
+            ids = inp.input_ids
             vocab = getattr(self.tokenizer, "vocab_size", None)
-            if vocab and ids and (min(ids) < 0 or max(ids) >= vocab):  # C-speed scans
+            if vocab and len(ids) and (min(ids) < 0 or max(ids) >= vocab):  # C-speed scans
                 raise RequestError(f"input_ids must be token ids in [0, {vocab})")
         elif inp.messages is not None:
             ids = self.tokenizer.encode(self.render_chat(inp), add_special_tokens=False)
@@ -141,9 +145,12 @@ class TokenizerManager:
             ids = self.tokenizer.encode(inp.text)
         else:
             raise RequestError("the request has no prompt (text, input_ids or messages)")
-        if not ids:
+        if not len(ids):
             raise RequestError("the prompt is empty")
-        return ids
+        try:
+            return token_array(ids)
+        except ValueError as e:
+            raise RequestError(str(e)) from e
 
     def render_chat(self, inp: GenerateInput) -> str:
         """The chat prompt as text. ``continue_final_message`` (vLLM's semantics): the last

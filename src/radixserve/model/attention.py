@@ -97,7 +97,7 @@ def _decode_group(
     lens = [e.seq_len for e in entries]
     width = max(lens)
     # pad with the entry's own first slot so the gather never reads out of range
-    padded = [e.slots + [e.slots[0]] * (width - len(e.slots)) for e in entries]
+    padded = [list(e.slots) + [e.slots[0]] * (width - len(e.slots)) for e in entries]
     slots = torch.tensor(padded, dtype=torch.int64, device=device)
     if min(lens) == width:
         return DecodeGroup(len(entries), slots, None)

@@ -47,7 +47,7 @@ class KVManager:
         """Evict until ``n`` slots are free; False if even eviction cannot make them."""
         short = n - self.allocator.available()
         if short > 0 and self.enabled:
-            self.allocator.free(self.cache.evict(short))
+            self.allocator.free_runs(self.cache.evict_runs(short))
         return self.allocator.available() >= n
 
     def covers(self, num_decodes: int, extra: int = 0) -> bool:
@@ -111,20 +111,24 @@ class KVManager:
         if not self.enabled or n <= self.table.owned_from(req.rid):
             return None
         tokens = self._keys(req.fill_slice(0, n))
-        self.cache.insert(tokens, self.table.slots(req.rid), req.namespace)  # reads [:n]
+        self.cache.insert(tokens, self.table.slots(req.rid), req.namespace, req.priority)
         m = self.cache.match_prefix(tokens, req.namespace)
         assert m.length == n, f"inserted {n} tokens but matched {m.length}"
         self.table.adopt_prefix(req.rid, m.slots)
         return m.last_node
 
-    def _keys(self, tokens: list[int]) -> Sequence[int]:
-        """``tokens`` as the tree's key array, converted once for the insert and the match
-        that follows it (as a list if they do not fit it: the tree then widens its keys)."""
-        keys = array(self.cache.key_typecode)
-        try:
-            keys.fromlist(tokens)  # one C pass (faster than array(code, tokens))
-        except (OverflowError, TypeError):
+    def _keys(self, tokens: array) -> Sequence[int]:
+        """``tokens`` as the tree's key array: as they are when of its type (the usual case:
+        a request's ids are an array from the start), else converted once for the insert and
+        the match that follows it (as a list if they do not fit: the tree then widens)."""
+        code = self.cache.key_typecode
+        if tokens.typecode == code:
             return tokens
+        keys = array(code)
+        try:
+            keys.fromlist(tokens.tolist())
+        except (OverflowError, TypeError):
+            return tokens.tolist()
         return keys
 
     def flush(self) -> None:

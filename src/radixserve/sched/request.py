@@ -6,9 +6,12 @@ Plain data shared by the scheduler, the runners and the engine; no behaviour bey
 from __future__ import annotations
 
 import enum
-from collections.abc import Hashable
+from array import array
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from radixserve.cache.tokens import concat_tokens, token_array
 
 
 class ReqState(enum.Enum):
@@ -108,11 +111,13 @@ class Req:
     """One generation request and everything the scheduler tracks about it.
 
     The caller fills the first block; the scheduler owns the rest. Identity is by object
-    (``eq=False``), so requests can key dicts and sets.
+    (``eq=False``), so requests can key dicts and sets. ``input_ids`` may be given as any
+    sequence; it is kept as a compact array (``token_array``, converted here once, or taken as
+    it is from the tokenizer manager), which the radix tree matches without a conversion.
     """
 
     rid: str
-    input_ids: list[int] = field(repr=False)
+    input_ids: Sequence[int] = field(repr=False)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     priority: int = 0  # larger runs first under --enable-priority-scheduling
     routing_key: str | None = None  # groups requests for the routing-key policy
@@ -141,6 +146,9 @@ class Req:
         default=None, repr=False
     )  # tree node this running request holds locked
 
+    def __post_init__(self) -> None:
+        self.input_ids = token_array(self.input_ids)
+
     @property
     def num_generated(self) -> int:
         return len(self.output_ids)
@@ -149,21 +157,22 @@ class Req:
     def fill_len(self) -> int:
         return len(self.input_ids) + len(self.output_ids)
 
-    def fill_ids(self) -> list[int]:
+    def fill_ids(self) -> array:
         """Prompt plus output so far: what a (re-)admitted request prefills. No copy while
         nothing has been generated, which is the common case."""
         if not self.output_ids:
-            return self.input_ids
-        return self.input_ids + self.output_ids
+            return self.input_ids  # type: ignore[return-value]
+        return concat_tokens(self.input_ids, self.output_ids)  # type: ignore[arg-type]
 
-    def fill_slice(self, start: int, end: int) -> list[int]:
-        """``fill_ids()[start:end]`` without building the whole fill."""
-        n = len(self.input_ids)
+    def fill_slice(self, start: int, end: int) -> array:
+        """``fill_ids()[start:end]`` without building the whole fill, as an array."""
+        ids = self.input_ids
+        n = len(ids)
         if end <= n:
-            return self.input_ids[start:end]
+            return ids[start:end]  # type: ignore[return-value]
         if start >= n:
-            return self.output_ids[start - n : end - n]
-        return self.input_ids[start:] + self.output_ids[: end - n]
+            return token_array(self.output_ids[start - n : end - n])
+        return concat_tokens(ids[start:], self.output_ids[: end - n])  # type: ignore[arg-type]
 
     def is_finished(self) -> bool:
         return self.state in (ReqState.FINISHED, ReqState.ABORTED)

@@ -137,7 +137,7 @@ class ServerState:
     def visible_text(self, token: int) -> str:
         return self.tm.tokenizer.decode([token], skip_special_tokens=True)
 
-    def _tokenize(self, inp: GenerateInput, param: str) -> list[int]:
+    def _tokenize(self, inp: GenerateInput, param: str) -> Sequence[int]:
         try:
             return self.tm.tokenize(inp)
         except RequestError as e:

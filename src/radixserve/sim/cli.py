@@ -20,7 +20,12 @@ from radixserve.sim.workload_args import add_workload_args, finite, make_request
 from radixserve.sim.workloads import block_hit_rate, ideal_prefix_hit_rate
 
 # flags that take several values: every combination is one run of the comparison
-_SWEPT = {"router": "cache_aware", "schedule_policy": "lpm", "max_wait_ms": None}
+_SWEPT = {
+    "router": "cache_aware",
+    "schedule_policy": "lpm",
+    "max_wait_ms": None,
+    "radix_eviction_policy": "lru",
+}
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -31,7 +36,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         description=(
             "Discrete-event simulation of N engines (the real scheduler and radix cache, a cost "
             "model instead of a GPU) behind a router policy. Several values of --router, "
-            "--schedule-policy or --max-wait-ms run every combination and compare them. The "
+            "--schedule-policy, --max-wait-ms or --radix-eviction-policy run every combination "
+            "and compare them. The "
             "KV pool defaults to what the preset's GPU holds beside the weights."
         ),
     )
@@ -119,7 +125,8 @@ def _run(args: argparse.Namespace) -> int:
             max_wait_ms=over["max_wait_ms"],
         )
         config = dataclasses.replace(cluster, router=over["router"])
-        res = simulate(requests, config, sched, cache, label, args.progress, best, block_tokens)
+        evict = dataclasses.replace(cache, radix_eviction_policy=over["radix_eviction_policy"])
+        res = simulate(requests, config, sched, evict, label, args.progress, best, block_tokens)
         if res.num_rejected:  # they left the hit rate, so they leave the best too
             res.best_hit_rate = ideal_prefix_hit_rate(
                 _served(requests, res), cache.page_size, outputs
