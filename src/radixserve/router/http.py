@@ -80,7 +80,7 @@ class ClientConn(asyncio.Protocol):
         self.refused = self.eof = self.head_only = False
         self.chunked, self.streaming, self.local = True, False, False
         self.upstream: HttpConnection | None = None  # a worker stream paused with us
-        self.paused = False
+        self.paused, self.keep_alive = False, True
         self.deadline, self.timer = 0.0, None
         self.waiting: Request | None = None  # an Upgrade request whose body follows the head
         self._reset()
@@ -231,9 +231,11 @@ class ClientConn(asyncio.Protocol):
             request_id(self.rid),
         )
         req.http11 = p.get_http_version() == "1.1"
-        if p.should_upgrade() and self.length and not self.body:
-            self.waiting, self.size, self.body = req, 0, []
-            return
+        if p.should_upgrade():  # the parser calls an Upgrade request's connection closing
+            req.keep_alive = req.http11
+            if self.length and not self.body:
+                self.waiting, self.size, self.body = req, 0, []
+                return
         self._reset()
         self._dispatch(req)
 
@@ -257,7 +259,7 @@ class ClientConn(asyncio.Protocol):
         if isinstance(item, Refusal):
             self._answer_refusal(item)
             return
-        self.head_only = item.method == "HEAD"
+        self.head_only, self.keep_alive = item.method == "HEAD", item.keep_alive
         self.task = asyncio.get_running_loop().create_task(self.router.handle(self, item))
         self.task.add_done_callback(self._done)
 
@@ -296,7 +298,9 @@ class ClientConn(asyncio.Protocol):
         keep_alive: bool = True,
         headers: bytes = b"",
     ) -> None:
-        """A whole response; `ctype` None when `headers` carry the Content-Type."""
+        """A whole response; `ctype` None when `headers` carry the Content-Type. The connection
+        stays open only if both the caller and the request's client want it."""
+        keep_alive = keep_alive and self.keep_alive
         if ctype is not None:
             headers = b"Content-Type: %s\r\n%b" % (ctype, headers)
         head = b"HTTP/1.1 %d %s\r\nContent-Length: %d\r\n%b" % (
@@ -326,7 +330,7 @@ class ClientConn(asyncio.Protocol):
             self.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
 
     def end_stream(self, keep_alive: bool) -> None:
-        self.streaming = False
+        self.streaming, keep_alive = False, keep_alive and self.keep_alive
         if self.chunked:
             self.write(b"0\r\n\r\n")
         if (not keep_alive or not self.chunked) and self.transport is not None:
