@@ -19,6 +19,7 @@ from radixserve.engine.launch import EngineProcesses
 from radixserve.engine.tokenizer_manager import GenerateInput, RequestError
 from radixserve.sched.request import SamplingParams
 from radixserve.server.config import ServerConfig
+from radixserve.server.docs import RequestIdMiddleware, add_docs
 from radixserve.server.errors import ApiError, install_handlers
 from radixserve.server.metrics import CONTENT_TYPE, stats_dict
 from radixserve.server.protocol import add_body_schemas
@@ -41,10 +42,19 @@ def create_app(config: ServerConfig, engine: EngineProcesses) -> FastAPI:
         finally:
             await state.tm.close()
 
-    app = FastAPI(title="radixserve", version=__version__, lifespan=lifespan,
-                  default_response_class=JSONBody)  # fmt: skip
+    app = FastAPI(
+        title="radixserve",
+        version=__version__,
+        lifespan=lifespan,
+        default_response_class=JSONBody,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )  # fmt: skip  (docs.py serves them behind --api-key)
     app.state.server = state
     install_handlers(app)
+    add_docs(app, state)
+    app.add_middleware(RequestIdMiddleware)
     app.include_router(inference_routes(state))
     app.include_router(_open_routes(state))
     app.include_router(_admin_routes(state))
