@@ -8,6 +8,7 @@ request than the 4 workers behind the router; see benchmarks/router_bench.py for
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 import random
@@ -19,6 +20,7 @@ from urllib.parse import parse_qs, unquote
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from radixserve.router.admission import Admission
 from radixserve.router.config import RouterConfig
 from radixserve.router.http import ClientConn, Request, error_body
 from radixserve.router.keys import units
@@ -59,6 +61,9 @@ class Router:
         self.decisions = [0] * (len(BUCKETS) + 1)
         self.decision_sum = 0.0
         self.connections = 0
+        self.admission = Admission(
+            config.max_concurrent_requests, config.queue_size, config.queue_timeout_secs
+        )
         self.server: asyncio.AbstractServer | None = None
         self._ticker: asyncio.Task[None] | None = None
         self.routes: dict[str, dict[str, Handler]] = {}
@@ -126,7 +131,7 @@ class Router:
             if req.method != "POST":
                 self._not_allowed(conn, req, "POST")
             elif self._authorized(req, self.config.api_key, conn):
-                await self.proxy(conn, req)
+                await self._admitted(conn, req)
             return
         route = req.path if not req.path.startswith("/workers/") else "/workers/"
         methods = self.routes.get(route)
@@ -173,6 +178,20 @@ class Router:
 
     # ----- proxying -----
 
+    async def _admitted(self, conn: ClientConn, req: Request) -> None:
+        """Proxy `req` once it has a slot; beyond the queue, a 503 the client can retry."""
+        if not await self.admission.acquire():
+            self.failed[503] += 1
+            a = self.admission
+            msg = f"the router is at capacity ({a.active} in flight, {a.queued} queued)"
+            body = error_body(503, msg, "service_unavailable", "overloaded")
+            conn.send_json(503, body, headers=b"Retry-After: 1\r\n")
+            return
+        try:
+            await self.proxy(conn, req)
+        finally:
+            self.admission.release()
+
     async def proxy(self, conn: ClientConn, req: Request) -> None:
         """Route, forward and relay one inference request, retrying elsewhere while nothing
         has reached the client yet and the failure is one worth retrying."""
@@ -184,6 +203,8 @@ class Router:
         except (ValueError, TypeError, AttributeError) as exc:
             conn.send_json(400, error_body(400, f"request body is not a JSON object: {exc}"))
             return
+        if req.session:
+            view = dataclasses.replace(view, routing_key=req.session)
         tried: list[str] = []
         lost = 0
         for attempt in range(self.config.max_retries + 1):

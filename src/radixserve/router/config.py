@@ -93,6 +93,16 @@ class RouterConfig:
     max_worker_connections: int = _f(
         1024, "connections to one worker at once; more requests wait (0: no cap)"
     )
+    max_concurrent_requests: int = _f(
+        2048, "inference requests in flight at once (0: no cap); more wait in the queue"
+    )
+    queue_size: int = _f(
+        1024, "requests that may wait for a slot; more are answered 503 with Retry-After"
+    )
+    queue_timeout_secs: float = _f(60.0, "longest wait in the queue (then 503 with Retry-After)")
+    session_header: str = _f(
+        "X-Session-Id", "consistent_hashing: the request header that names the session"
+    )
     request_timeout_secs: float = _f(1800.0, "longest a worker may take over one request")
     max_retries: int = _f(
         3, "attempts on other workers after a connect error, 502, 503 or 504 (jittered backoff)"
@@ -130,7 +140,8 @@ class RouterConfig:
         limits = (self.max_url_size, self.max_header_size, self.max_connections)
         timeouts = (self.header_timeout_secs, self.body_timeout_secs, self.connect_timeout_secs,
                     self.keep_alive_timeout_secs, self.stream_timeout_secs)  # fmt: skip
-        if min(limits) < 1 or min(timeouts) <= 0 or self.max_worker_connections < 0:
+        caps = (self.max_worker_connections, self.max_concurrent_requests, self.queue_size)
+        if min(limits) < 1 or min(timeouts) <= 0 or min(caps) < 0 or self.queue_timeout_secs <= 0:
             raise ValueError("size limits, connection caps and timeouts must be positive")
         if self.health_failure_threshold < 1 or self.health_success_threshold < 1:
             raise ValueError("health thresholds must be >= 1")

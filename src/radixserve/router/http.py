@@ -39,14 +39,15 @@ def request_id(given: bytes) -> str:
 
 
 class Request:
-    __slots__ = ("method", "path", "query", "auth", "body", "keep_alive", "http11", "rid")
+    __slots__ = ("method", "path", "query", "auth", "body", "keep_alive", "http11", "rid",
+                 "session")  # fmt: skip
 
     def __init__(
         self, method: str, url: str, auth: bytes, body: bytes, keep_alive: bool, rid: str = ""
     ) -> None:
         self.method, self.auth, self.body, self.keep_alive = method, auth, body, keep_alive
         self.path, _, self.query = url.partition("?")
-        self.http11, self.rid = True, rid or os.urandom(12).hex()
+        self.http11, self.rid, self.session = True, rid or os.urandom(12).hex(), b""
 
 
 class Refusal:
@@ -83,11 +84,12 @@ class ClientConn(asyncio.Protocol):
         self.paused, self.keep_alive = False, True
         self.deadline, self.timer = 0.0, None
         self.waiting: Request | None = None  # an Upgrade request whose body follows the head
+        self.session_header = cfg.session_header.lower().encode()
         self._reset()
 
     def _reset(self) -> None:
         self.url, self.url_size, self.head_size = [], 0, 0
-        self.auth, self.rid, self.body, self.size = b"", b"", [], 0
+        self.auth, self.rid, self.body, self.size, self.session = b"", b"", [], 0, b""
         self.expect, self.length = False, 0
 
     # ----- connection life and timeouts -----
@@ -201,6 +203,8 @@ class ClientConn(asyncio.Protocol):
             self.auth = value
         elif name == b"x-request-id":
             self.rid = value
+        elif name == self.session_header:
+            self.session = value
         elif name == b"expect":
             self.expect = value.lower() == b"100-continue"
         elif name == b"content-length" and value.isdigit():
@@ -230,7 +234,7 @@ class ClientConn(asyncio.Protocol):
             p.should_keep_alive(),
             request_id(self.rid),
         )
-        req.http11 = p.get_http_version() == "1.1"
+        req.http11, req.session = p.get_http_version() == "1.1", self.session
         if p.should_upgrade():  # the parser calls an Upgrade request's connection closing
             req.keep_alive = req.http11
             if self.length and not self.body:

@@ -47,6 +47,9 @@ class _Collector:
         hit_rate = getattr(r.policy, "expected_hit_rate", lambda: 0.0)()
         yield GaugeMetricFamily(PREFIX + "expected_hit_rate", "expected prefix hits", hit_rate)
         yield GaugeMetricFamily(PREFIX + "connections", "open client connections", r.connections)
+        yield GaugeMetricFamily(PREFIX + "queued_requests", "waiting for a slot",
+                                r.admission.queued)  # fmt: skip
+        yield GaugeMetricFamily(PREFIX + "active_requests", "holding a slot", r.admission.active)
         failed = CounterMetricFamily(PREFIX + "failed_requests", "answered errors", labels=["code"])
         for code, n in sorted(r.failed.items()):
             failed.add_metric([str(code)], n)

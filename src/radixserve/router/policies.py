@@ -64,6 +64,7 @@ class RequestView:
 
     key: bytes
     namespace: Namespace = ()
+    routing_key: bytes = b""  # a session header's value, for consistent_hashing
 
     @classmethod
     def from_prompt(
@@ -405,3 +406,7 @@ class CacheAwarePolicy(RouterPolicy):
         ceiling = mean + 2.0 * math.sqrt(mean) + 1.0
         calm = [i for i, a in zip(eligible, avg) if a <= ceiling]
         return min(calm, key=lambda i: (self.tree.size(workers[i].id), workers[i].load))
+
+
+# Policies in modules of their own register themselves on import (after the registry exists).
+from radixserve.router import affinity  # noqa: E402, F401
