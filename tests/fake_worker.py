@@ -36,7 +36,7 @@ class FakeEngine:
         self.blocks: OrderedDict[int, None] = OrderedDict()
         self.prompt_chars = self.cached_chars = self.requests = self.in_flight = 0
         self.fail_count, self.fail_status, self.fail_chunked, self.healthy = 0, 500, False, True
-        self.api_key = b""
+        self.api_key, self.stats = b"", {"num_waiting": 0, "kv_usage": 0.0}
 
     def prompt_of(self, path: str, req: dict) -> str:
         if path == "/v1/chat/completions":
@@ -153,7 +153,10 @@ class WorkerConn(asyncio.Protocol):
         if path == "/v1/models":
             return 200, {"object": "list", "data": [{"id": eng.model, "object": "model"}]}
         if path in ("/get_load", "/get_server_info"):
-            return 200, {**eng.info(), "num_reqs": eng.in_flight}
+            return 200, {**eng.info(), "num_reqs": eng.in_flight, "stats": eng.stats}
+        if path == "/fake/load":  # what /get_server_info reports as the engine's stats
+            eng.stats = json.loads(body)
+            return 200, {}
         if path == "/flush_cache":
             eng.blocks.clear()
             return 200, {"message": "Cache flushed"}

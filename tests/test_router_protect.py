@@ -82,3 +82,35 @@ def test_consistent_hashing_on_the_session_header_end_to_end(workers, make_route
         assert len(homes) == 1  # every turn of a session on one worker, whatever its prompt
         served[session] = homes.pop()
     assert len(set(served.values())) > 1
+
+
+def test_overloaded_workers_are_steered_away_from_then_shed(workers, make_router):  # noqa: F811
+    a, b = workers[:2]
+    r = make_router([a.url, b.url], policy="round_robin", health_check_interval_secs=0.1,
+                    overload_waiting_threshold=10)  # fmt: skip
+    try:
+        a.post("/fake/load", {"num_waiting": 50, "kv_usage": 0.5})  # a's queue is long
+        assert wait_for(lambda: r.router.registry.overloaded == {"w1"}, 10)
+        assert {generate(r.addr, f"s{i}")[1]["meta_info"]["worker"] for i in range(6)} == {b.name}
+        b.post("/fake/load", {"num_waiting": 0, "kv_usage": 0.99})  # KV alone is not past 0
+        b.post("/fake/load", {"num_waiting": 11})
+        assert wait_for(lambda: len(r.router.registry.overloaded) == 2, 10)
+        status, body = generate(r.addr, "shed")
+        assert status == 503 and body["error"]["code"] == "overloaded"  # shed, not queued
+    finally:
+        for w in (a, b):
+            w.post("/fake/load", {"num_waiting": 0, "kv_usage": 0.0})
+    assert wait_for(lambda: not r.router.registry.overloaded, 10)
+    assert generate(r.addr, "back")[0] == 200
+
+
+def test_kv_usage_threshold(workers, make_router):  # noqa: F811
+    a, b = workers[:2]
+    r = make_router([a.url, b.url], policy="round_robin", health_check_interval_secs=0.1,
+                    overload_kv_usage_threshold=0.9)  # fmt: skip
+    try:
+        b.post("/fake/load", {"num_waiting": 0, "kv_usage": 0.95})
+        assert wait_for(lambda: r.router.registry.overloaded == {"w2"}, 10)
+        assert {generate(r.addr, f"k{i}")[1]["meta_info"]["worker"] for i in range(4)} == {a.name}
+    finally:
+        b.post("/fake/load", {"num_waiting": 0, "kv_usage": 0.0})

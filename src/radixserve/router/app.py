@@ -235,6 +235,12 @@ class Router:
     def fail(self, conn: ClientConn, tried: list[str], status: int) -> None:
         if tried:
             msg = f"request failed on {len(tried)} attempt(s) ({', '.join(tried)})"
+        elif self.registry.overloaded and self.registry.routable():
+            self.failed[503] += 1
+            msg = "every worker reports a queue or KV usage past the overload threshold"
+            body = error_body(503, msg, "service_unavailable", "overloaded")
+            conn.send_json(503, body, headers=b"Retry-After: 1\r\n")
+            return
         else:
             status, msg = 503, "no healthy worker available"
         self.failed[status] = self.failed.get(status, 0) + 1

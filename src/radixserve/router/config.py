@@ -23,6 +23,8 @@ class HealthConfig:
     cb_timeout_secs: float = 5.0
     connect_timeout_secs: float = 5.0
     max_conns: int = 0
+    overload_waiting: int = 0  # 0: off
+    overload_kv_usage: float = 0.0  # 0: off
 
 
 _POLICY = CachePolicyConfig()
@@ -100,6 +102,13 @@ class RouterConfig:
         1024, "requests that may wait for a slot; more are answered 503 with Retry-After"
     )
     queue_timeout_secs: float = _f(60.0, "longest wait in the queue (then 503 with Retry-After)")
+    overload_waiting_threshold: int = _f(
+        0, "steer away from a worker whose reported waiting queue exceeds this; all past it: "
+        "503 with Retry-After (read from /get_server_info at each health check; 0: off)",
+    )
+    overload_kv_usage_threshold: float = _f(
+        0.0, "as --overload-waiting-threshold, for the reported KV cache usage (0-1; 0: off)"
+    )
     session_header: str = _f(
         "X-Session-Id", "consistent_hashing: the request header that names the session"
     )
@@ -164,4 +173,6 @@ class RouterConfig:
             cb_timeout_secs=self.cb_timeout_duration_secs,
             connect_timeout_secs=self.connect_timeout_secs,
             max_conns=self.max_worker_connections,
+            overload_waiting=self.overload_waiting_threshold,
+            overload_kv_usage=self.overload_kv_usage_threshold,
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import socket
 import time
@@ -131,6 +132,7 @@ class WorkerRegistry:
         self.workers: list[Worker] = []
         self._ids = itertools.count(1)
         self._task: asyncio.Task[None] | None = None
+        self.overloaded: frozenset[str] = frozenset()  # ids past an overload threshold
 
     def add(
         self, url: str, addrs: frozenset[tuple[str, int]] = frozenset(), healthy: bool = True
@@ -165,6 +167,9 @@ class WorkerRegistry:
 
     def views(self, now: float, exclude: Iterable[str] = ()) -> list[WorkerView]:
         views = [w.view(now) for w in self.workers]
+        if self.overloaded:  # steered away from; when that is everyone, the router sheds
+            views = [WorkerView(v.id, v.load, False) if v.id in self.overloaded else v
+                     for v in views]  # fmt: skip
         if exclude:
             views = [WorkerView(v.id, v.load, False) if v.id in exclude else v for v in views]
         return views
@@ -198,6 +203,26 @@ class WorkerRegistry:
         results = await asyncio.gather(*(self._probe(w) for w in workers))
         for worker, ok in zip(workers, results):
             self._record_probe(worker, ok)
+        h = self.health
+        if h.overload_waiting > 0 or h.overload_kv_usage > 0:
+            live = [w for w in workers if w.healthy]
+            loads = await asyncio.gather(*(self._load(w) for w in live))
+            self.overloaded = frozenset(w.id for w, busy in zip(live, loads) if busy)
+
+    async def _load(self, worker: Worker) -> bool:
+        """Whether the worker reports a waiting queue or KV usage past the thresholds (our
+        server's /get_server_info "stats"); a worker that does not say is not overloaded."""
+        h = self.health
+        try:
+            resp = await asyncio.wait_for(
+                worker.pool.request("GET", "/get_server_info", timeout=h.timeout_secs),
+                h.timeout_secs,
+            )
+            stats = json.loads(resp.body).get("stats") or {} if resp.status == 200 else {}
+        except (UpstreamError, OSError, asyncio.TimeoutError, ValueError, AttributeError):
+            return False
+        waiting, kv = stats.get("num_waiting") or 0, stats.get("kv_usage") or 0.0
+        return (0 < h.overload_waiting < waiting) or (0 < h.overload_kv_usage < kv)
 
     async def probe_now(self, worker: Worker) -> bool:
         """One probe whose verdict counts at once (a worker just added)."""
