@@ -56,6 +56,9 @@ class Router:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.policy = create_policy(config.policy, config.policy_config())
+        if hasattr(self.policy, "defer_eviction"):
+            self.policy.defer_eviction = True  # off the dispatch path: see _evict_in_slices
+        self._evicting: asyncio.Task[None] | None = None
         self.registry = WorkerRegistry(config.health_config(), self.policy.on_worker_removed)
         self.retries, self.failed = 0, {502: 0, 503: 0, 504: 0}
         self.decisions = [0] * (len(BUCKETS) + 1)
@@ -102,14 +105,29 @@ class Router:
     async def stop(self) -> None:
         if self.server is not None:
             self.server.close()
-        if self._ticker is not None:
-            self._ticker.cancel()
+        for task in (self._ticker, self._evicting):
+            if task is not None:
+                task.cancel()
         await self.registry.stop()
 
     async def _tick_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.eviction_interval_secs)
             self.policy.tick(time.monotonic())
+            self._maybe_evict()
+
+    def _maybe_evict(self) -> None:
+        if getattr(self.policy, "evict_due", False) and self._evicting is None:
+            self._evicting = asyncio.get_running_loop().create_task(self._evict_in_slices())
+
+    async def _evict_in_slices(self) -> None:
+        """Trim the prefix tree a slice at a time, letting requests through between slices
+        (a whole-tree walk at once stalled every request behind it: 32-36 ms at 8,000 chars)."""
+        try:
+            for _ in self.policy.eviction_slices():
+                await asyncio.sleep(0)
+        finally:
+            self._evicting = None
 
     # ----- dispatch -----
 
@@ -280,6 +298,7 @@ class Router:
         worker.counts["requests"] += 1
         worker.breaker.dispatched()
         self.policy.on_dispatch(worker.id, view, time.monotonic())
+        self._maybe_evict()
         streamed = False
 
         def on_head(status: int, headers: Headers, chunked: bool) -> Callable[[bytes], None] | None:

@@ -103,7 +103,8 @@ class RouterConfig:
     )
     queue_timeout_secs: float = _f(60.0, "longest wait in the queue (then 503 with Retry-After)")
     overload_waiting_threshold: int = _f(
-        0, "steer away from a worker whose reported waiting queue exceeds this; all past it: "
+        0,
+        "steer away from a worker whose reported waiting queue exceeds this; all past it: "
         "503 with Retry-After (read from /get_server_info at each health check; 0: off)",
     )
     overload_kv_usage_threshold: float = _f(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
 from radixserve.router.keys import Namespace, ids_key, namespace, text_key, units
@@ -313,6 +313,10 @@ class CacheAwarePolicy(RouterPolicy):
         self._loads: dict[Hashable, tuple[float, int]] = {}
         self._observed_at = -math.inf
         self._shares = DispatchShares()
+        # Where the policy runs beside live traffic (the router), eviction is deferred: the
+        # owner sees `evict_due` and runs eviction_slices() between requests, so no request
+        # waits on a walk of the whole tree. The simulator evicts inline.
+        self.defer_eviction, self.evict_due = False, False
 
     def select(self, workers: Sequence[WorkerView], request: RequestView, now: float) -> int:
         healthy = healthy_indices(workers)
@@ -331,7 +335,7 @@ class CacheAwarePolicy(RouterPolicy):
         self._shares.record(worker_id)
         cfg = self.config
         if cfg.eviction_interval_secs > 0 and self.tree.cost(worker_id) > cfg.max_tree_size:
-            self._evict()
+            self._evict_soon()
 
     def on_worker_removed(self, worker_id: Hashable) -> None:
         self.tree.remove_tenant(worker_id)
@@ -341,12 +345,21 @@ class CacheAwarePolicy(RouterPolicy):
     def tick(self, now: float) -> None:
         interval = self.config.eviction_interval_secs
         if interval > 0 and now - self._last_eviction >= interval:
-            self._evict()
+            self._evict_soon()
             self._last_eviction = now
 
-    def _evict(self) -> None:
+    def _evict_soon(self) -> None:
+        if self.defer_eviction:
+            self.evict_due = True
+        else:
+            cap = self.config.max_tree_size
+            self.tree.evict_tenant_by_cost(cap - cap // 8)
+
+    def eviction_slices(self) -> Iterator[int]:
+        """The deferred eviction, in slices of bounded work (see MultiTenantTree)."""
+        self.evict_due = False
         cap = self.config.max_tree_size
-        self.tree.evict_tenant_by_cost(cap - cap // 8)
+        return self.tree.evict_in_slices(cap - cap // 8)
 
     def expected_hit_rate(self) -> float:
         """Share of dispatched key units that the chosen worker already held."""
