@@ -55,6 +55,11 @@ class RouterConfig:
         "cache_aware: a prefix's holder sent more than this fraction above the mean share of "
         "recent requests spills hits to the least-sent worker (inf: never)",
     )
+    warmup_secs: float = _f(
+        _POLICY.warmup_secs,
+        "cache_aware: a worker that joins under traffic takes at most its fair share of new "
+        "prefixes at first, rising to no cap over this many seconds (0: off)",
+    )
     eviction_interval_secs: float = _f(
         _POLICY.eviction_interval_secs, "cache_aware: seconds between tree evictions (0: never)"
     )
