@@ -104,12 +104,15 @@ def slowhttptest(port: int, mode: str, seconds: int, conns: int) -> tuple[str, P
     cmd = ["slowhttptest", *flags, "-c", str(conns), "-r", "200", "-i", "5", "-x", "24",
            "-p", "3", "-l", str(seconds), "-u", f"http://127.0.0.1:{port}{path}"]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60).stdout
+    out = re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", out)  # its terminal colours
     prober.stop.set()
     prober.join()
     states = re.findall(r"service available:\s+(\w+)", out)
     connected = [int(n) for n in re.findall(r"connected:\s+(\d+)", out)]
+    closed = [int(n) for n in re.findall(r"closed:\s+(\d+)", out)]
     verdict = (f"slowhttptest: service available {'YES' if set(states) == {'YES'} else states}, "
-               f"up to {max(connected, default=0)} slow connections open at once")  # fmt: skip
+               f"up to {max(connected, default=0)} slow connections open at once, "
+               f"{max(closed, default=0)} closed by the target")  # fmt: skip
     return verdict, prober
 
 

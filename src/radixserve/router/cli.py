@@ -53,15 +53,16 @@ async def serve(config: RouterConfig) -> None:
     # and over; rarer young-generation passes cut the router's CPU per request by about 8%.
     gc.freeze()
     gc.set_threshold(10_000, 20, 20)
+    loop = asyncio.get_running_loop()
     logging.getLogger("radixserve.router").info(
-        "routing on http://%s:%d to %d worker(s) with policy %s",
+        "routing on http://%s:%d to %d worker(s) with policy %s (event loop: %s)",
         config.host,
         port,
         len(config.worker_urls),
         config.policy,
+        type(loop).__module__.split(".")[0],
     )
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
