@@ -152,7 +152,10 @@ class WorkerConn(asyncio.Protocol):
             return (200, {}) if eng.healthy else (503, {"error": "unhealthy"})
         if path == "/v1/models":
             return 200, {"object": "list", "data": [{"id": eng.model, "object": "model"}]}
-        if path in ("/get_load", "/get_server_info"):
+        if path in ("/model_info", "/get_model_info"):  # what SGLang-aware routers ask
+            return 200, {"model_path": eng.model, "tokenizer_path": eng.model,
+                         "is_generation": True}  # fmt: skip
+        if path in ("/get_load", "/get_server_info", "/server_info"):
             return 200, {**eng.info(), "num_reqs": eng.in_flight, "stats": eng.stats}
         if path == "/fake/load":  # what /get_server_info reports as the engine's stats
             eng.stats = json.loads(body)
