@@ -177,11 +177,12 @@ def wrk_with_a_kill(args: argparse.Namespace) -> None:
     script.write(f'wrk.method = "POST"\nwrk.body = \'{body}\'\n'
                  'wrk.headers["Content-Type"] = "application/json"\n')  # fmt: skip
     script.close()
-    streamer = Streamer(front_port)
-    streamer.start()
+    streamers = [Streamer(front_port) for _ in range(4)]
+    for streamer in streamers:
+        streamer.start()
     cmd = ["wrk", "-t2", "-c32", f"-d{args.seconds}s", "--latency", "-s", script.name,
            f"http://127.0.0.1:{front_port}/v1/completions"]  # fmt: skip
-    print(f"== wrk: {' '.join(cmd[:4])} (POST {json.dumps(PROMPT)}), a streaming client beside")
+    print(f"== wrk: {' '.join(cmd[:4])} (POST {json.dumps(PROMPT)}), 4 streaming clients beside")
     try:
         load = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
         time.sleep(args.seconds / 4)
@@ -193,8 +194,10 @@ def wrk_with_a_kill(args: argparse.Namespace) -> None:
         print(f"restarted it at {args.seconds / 2:.0f} s")
         out, _ = load.communicate(timeout=args.seconds + 60)
     finally:
-        streamer.stop.set()
-        streamer.join(60)  # its last stream ends before the fleet goes
+        for streamer in streamers:
+            streamer.stop.set()
+        for streamer in streamers:
+            streamer.join(60)  # their last streams end before the fleet goes
         for p in (front, *sims):
             p.kill()
         os.unlink(script.name)
@@ -205,9 +208,10 @@ def wrk_with_a_kill(args: argparse.Namespace) -> None:
     print(f"wrk: {total.group(1) if total else '?'} requests, "
           f"{rps.group(1) if rps else '?'} req/s, non-2xx {non2xx.group(1) if non2xx else 0}, "
           f"socket errors: {sock.group(1) if sock else 'none'}")  # fmt: skip
-    print(f"streams: {streamer.complete} complete, {streamer.cut} cut by the kill "
-          f"(error event, then [DONE]), {streamer.failed} failed otherwise"
-          + (f": {streamer.why[:3]}" if streamer.why else ""))  # fmt: skip
+    complete, cut = sum(s.complete for s in streamers), sum(s.cut for s in streamers)
+    failed, why = sum(s.failed for s in streamers), [w for s in streamers for w in s.why]
+    print(f"streams: {complete} complete, {cut} cut by the kill (error event, then [DONE]), "
+          f"{failed} failed otherwise" + (f": {why[:3]}" if why else ""))  # fmt: skip
 
 
 def main() -> int:
