@@ -16,10 +16,10 @@ import time
 from bisect import bisect_left
 from collections.abc import Awaitable, Callable
 from typing import NamedTuple
-from urllib.parse import parse_qs, unquote
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
+from radixserve.router.admin import Endpoints, Text
 from radixserve.router.admission import Admission
 from radixserve.router.config import RouterConfig
 from radixserve.router.http import ClientConn, Request, error_body
@@ -28,11 +28,9 @@ from radixserve.router.metrics import BUCKETS, metrics_registry
 from radixserve.router.policies import NoWorkerAvailable, RequestView, create_policy
 from radixserve.router.workers import (
     Headers,
-    Response,
     UpstreamError,
     Worker,
     WorkerRegistry,
-    fan_out,
     resolve,
 )
 
@@ -50,7 +48,7 @@ PARSE_INLINE = 1 << 20  # bodies above this are parsed in a thread, not on the e
 Handler = Callable[[Request], Awaitable[tuple[int, object]]]
 
 
-class Router:
+class Router(Endpoints):
     """The router: its registry, policy, metrics and HTTP endpoints."""
 
     def __init__(self, config: RouterConfig) -> None:
@@ -347,73 +345,6 @@ class Router:
         conn.abort_stream(502, f"worker failed mid-stream: {why.why}", req.keep_alive)
         return None
 
-    # ----- endpoints -----
-
-    async def liveness(self, req: Request) -> tuple[int, object]:
-        return 200, {"status": "ok"}
-
-    async def readiness(self, req: Request) -> tuple[int, object]:
-        ready = self.registry.routable()
-        return (200 if ready else 503), {
-            "status": "ok" if ready else "no healthy worker",
-            "healthy_workers": ready,
-        }
-
-    async def get_loads(self, req: Request) -> tuple[int, object]:
-        return 200, {
-            "workers": [
-                {"id": w.id, "url": w.url, "load": w.load, "healthy": w.healthy}
-                for w in self.registry.workers
-            ]
-        }
-
-    async def list_workers(self, req: Request) -> tuple[int, object]:
-        workers = self.registry.workers
-        return 200, {"workers": [w.info() for w in workers], "urls": [w.url for w in workers]}
-
-    async def add_worker(self, req: Request) -> tuple[int, object]:
-        """Register a worker; it takes traffic once its first health probe passes."""
-        url = _query(req, "url") or (_json(req).get("url") if req.body else None)
-        if not isinstance(url, str) or not url:
-            return 400, error_body(400, 'give the worker as ?url= or a JSON body {"url": ...}')
-        try:
-            worker = self.registry.add(url, await resolve(url), healthy=False)
-        except ValueError as exc:
-            status = 409 if "already" in str(exc) else 400
-            return status, error_body(status, str(exc))
-        await self.registry.probe_now(worker)
-        return 201 if req.path == "/workers" else 200, worker.info()
-
-    async def remove_worker(self, req: Request) -> tuple[int, object]:
-        ref = (
-            unquote(req.path[len("/workers/") :]) if req.method == "DELETE" else _query(req, "url")
-        )
-        worker = self.registry.get(ref) if ref else None
-        if worker is None:
-            return 404, error_body(404, f"no worker {ref!r}")
-        self.registry.remove(worker)
-        return 200, {"removed": worker.id, "url": worker.url}
-
-    async def models(self, req: Request) -> tuple[int, object]:
-        routable = [w for w in self.registry.workers if w.view(time.monotonic()).healthy]
-        headers = self._forward_headers(req)
-        for reply in await fan_out(routable, "GET", "/v1/models", headers):
-            if isinstance(reply, Response) and reply.status == 200:
-                return 200, loads(reply.body)
-        return 503, error_body(503, "no healthy worker answered /v1/models")
-
-    async def flush_cache(self, req: Request) -> tuple[int, object]:
-        workers = self.registry.workers
-        replies = await fan_out(workers, "POST", "/flush_cache", self._forward_headers(req))
-        results = {w.url: getattr(r, "status", str(r)) for w, r in zip(workers, replies)}
-        for worker in workers:  # their caches are empty now: so must the router's belief be
-            self.policy.on_worker_removed(worker.id)
-        ok = all(s == 200 for s in results.values())
-        return (200 if ok else 502), {"success": ok, "workers": results}
-
-    async def metrics(self, req: Request) -> tuple[int, object]:
-        return 200, Text(generate_latest(self.metrics_registry).decode())
-
 
 class Failure(NamedTuple):
     """Why an attempt failed: what to answer if it is the last, and whether to try again."""
@@ -422,10 +353,6 @@ class Failure(NamedTuple):
     status: int
     retry: bool
     lost: bool
-
-
-class Text(str):
-    """A handler's plain-text answer (Prometheus exposition format)."""
 
 
 # Hop-by-hop headers and those the router writes itself are not passed back.
@@ -443,16 +370,3 @@ def _passback(headers: Headers, rid: str) -> bytes:
 
 def _view(body: bytes) -> RequestView:
     return RequestView.from_payload(loads(body))
-
-
-def _query(req: Request, name: str) -> str | None:
-    values = parse_qs(req.query).get(name)
-    return values[0] if values else None
-
-
-def _json(req: Request) -> dict:
-    try:
-        obj = loads(req.body)
-    except ValueError:
-        return {}
-    return obj if isinstance(obj, dict) else {}
