@@ -16,6 +16,13 @@ class Admission:
         self.active, self.rejected = 0, 0
         self.waiting: deque[asyncio.Future[None]] = deque()
 
+    def try_acquire(self) -> bool:
+        """Take a free slot without waiting (no coroutine: the common case is cheap)."""
+        if self.limit <= 0 or (self.active < self.limit and not self.waiting):
+            self.active += 1
+            return True
+        return False
+
     async def acquire(self) -> bool:
         """Take a slot, waiting in the queue if there is room; False when refused."""
         if self.limit <= 0 or (self.active < self.limit and not self.waiting):

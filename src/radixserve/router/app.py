@@ -196,7 +196,7 @@ class Router(Endpoints):
 
     async def _admitted(self, conn: ClientConn, req: Request) -> None:
         """Proxy `req` once it has a slot; beyond the queue, a 503 the client can retry."""
-        if not await self.admission.acquire():
+        if not self.admission.try_acquire() and not await self.admission.acquire():
             self.failed[503] += 1
             a = self.admission
             msg = f"the router is at capacity ({a.active} in flight, {a.queued} queued)"

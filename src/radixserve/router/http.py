@@ -6,6 +6,7 @@ Proxy logic lives in app.py; nothing here knows about workers or policies."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 from collections import deque
@@ -31,11 +32,15 @@ def error_body(status: int, message: str, kind: str = "", code: str = "") -> dic
                       "code": code or CODES.get(status, "error")}}  # fmt: skip
 
 
+_IDS = itertools.count()
+_ID_PREFIX = os.urandom(8).hex()  # unique per router process; a counter makes it per request
+
+
 def request_id(given: bytes) -> str:
     """The client's X-Request-Id when it is a sane token, else a fresh one."""
-    if 0 < len(given) <= 128 and given.isascii() and all(32 < c < 127 for c in given):
+    if given and len(given) <= 128 and given.isascii() and all(32 < c < 127 for c in given):
         return given.decode()
-    return os.urandom(12).hex()
+    return f"{_ID_PREFIX}{next(_IDS):08x}"
 
 
 class Request:
@@ -81,7 +86,7 @@ class ClientConn(asyncio.Protocol):
         self.refused = self.eof = self.head_only = False
         self.chunked, self.streaming, self.local = True, False, False
         self.upstream: HttpConnection | None = None  # a worker stream paused with us
-        self.paused, self.keep_alive = False, True
+        self.paused, self.keep_alive, self.now = False, True, 0.0
         self.deadline, self.timer = 0.0, None
         self.waiting: Request | None = None  # an Upgrade request whose body follows the head
         self.session_header = cfg.session_header.lower().encode()
@@ -96,6 +101,7 @@ class ClientConn(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.loop = asyncio.get_running_loop()
         router = self.router
         router.connections += 1
         peer = transport.get_extra_info("peername")
@@ -113,12 +119,12 @@ class ClientConn(asyncio.Protocol):
         if self.task is not None:
             self.task.cancel()  # aborts the upstream request too: the worker stops generating
 
-    def _arm(self, secs: float) -> None:
-        """(Re)start the read deadline; one timer per connection, moved lazily."""
-        loop = asyncio.get_running_loop()
-        self.deadline = loop.time() + secs
+    def _arm(self, secs: float, now: float = 0.0) -> None:
+        """(Re)start the read deadline (from `now`, else the clock); one timer per connection,
+        moved lazily."""
+        self.deadline = (now or self.loop.time()) + secs
         if self.timer is None:
-            self.timer = loop.call_at(self.deadline, self._expired)
+            self.timer = self.loop.call_at(self.deadline, self._expired)
 
     def _disarm(self) -> None:
         self.deadline = 0.0
@@ -155,6 +161,7 @@ class ClientConn(asyncio.Protocol):
     # ----- parsing -----
 
     def data_received(self, data: bytes) -> None:
+        self.now = self.loop.time()  # one clock read for the deadlines the callbacks move
         if self.refused:
             return  # the rest of a refused request, read and dropped so that the answer arrives
         if self.waiting is not None:
@@ -186,7 +193,7 @@ class ClientConn(asyncio.Protocol):
         return data[need:]
 
     def on_message_begin(self) -> None:
-        self._arm(self.router.config.header_timeout_secs)
+        self._arm(self.router.config.header_timeout_secs, self.now)
 
     def on_url(self, url: bytes) -> None:
         self.url_size += len(url)
@@ -213,7 +220,7 @@ class ClientConn(asyncio.Protocol):
                 raise _Refused(413, f"request body too large (limit {self.max_body} bytes)")
 
     def on_headers_complete(self) -> None:
-        self._arm(self.router.config.body_timeout_secs)
+        self._arm(self.router.config.body_timeout_secs, self.now)
         if self.expect:  # curl waits a second for this before it sends a body over 1 KiB
             self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
@@ -222,7 +229,7 @@ class ClientConn(asyncio.Protocol):
         if self.size > self.max_body:  # chunked bodies have no length up front
             raise _Refused(413, f"request body too large (limit {self.max_body} bytes)")
         self.body.append(body)
-        self._arm(self.router.config.body_timeout_secs)
+        self._arm(self.router.config.body_timeout_secs, self.now)
 
     def on_message_complete(self) -> None:
         p = self.parser

@@ -433,7 +433,8 @@ class CacheAwarePolicy(RouterPolicy):
         # Two standard deviations of a Poisson count: busier than this is not noise.
         ceiling = mean + 2.0 * math.sqrt(mean) + 1.0
         calm = [i for i, a in zip(eligible, avg) if a <= ceiling]
-        calm = [i for i in calm if self._warmup.allows(workers[i].id, now, fleet)] or calm
+        if self._warmup.active():
+            calm = [i for i in calm if self._warmup.allows(workers[i].id, now, fleet)] or calm
         return min(calm, key=lambda i: (self.tree.size(workers[i].id), workers[i].load))
 
 

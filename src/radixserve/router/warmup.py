@@ -51,5 +51,6 @@ class WarmUp:
         cap = 1.0 / fleet + (1.0 - 1.0 / fleet) * age / self.secs
         return entry[2] < cap * (self.placed - entry[1] + 1)
 
-    def warming(self) -> list[Hashable]:
-        return list(self._joined)
+    def active(self) -> bool:
+        """Whether any worker is warming up (else allows() is True for all)."""
+        return bool(self._joined)
