@@ -449,11 +449,13 @@ def main() -> None:
     ap.add_argument("--no-sglang", action="store_true", help="skip sglang-router")
     ap.add_argument("--smg", default="/tmp/venvs/smg/bin/smg", help="smg 1.13's CLI, if there")
     ap.add_argument("--compare-src", default="",
-                    help="also run the router from this src/ (e.g. the last release's) as 'before'")  # fmt: skip
+                    help="also run the router from this PYTHONPATH (e.g. the last release's src/) "
+                    "as 'before'")  # fmt: skip
     args = ap.parse_args()
     kinds = ["radixserve"]
     if args.compare_src:
-        RouterProc.compare_src = str(Path(args.compare_src).resolve())
+        paths = args.compare_src.split(os.pathsep)
+        RouterProc.compare_src = os.pathsep.join(str(Path(p).resolve()) for p in paths)
         kinds.append("before")
     if Path(args.smg).exists():
         RouterProc.smg_bin = args.smg
