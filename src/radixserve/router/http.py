@@ -278,6 +278,7 @@ class ClientConn(asyncio.Protocol):
         # Half-close rather than close: closing with unread input would reset the connection
         # and the client might never read the answer.
         body = json.dumps(error_body(r.status, r.message)).encode()
+        self.head_only = False  # whatever the request before it was
         self.send(r.status, b"application/json", body, keep_alive=True, headers=r.headers)
         self.pending.clear()
         t = self.transport
