@@ -143,7 +143,7 @@ class Streamer(threading.Thread):
         self.why: list[str] = []
 
     def run(self) -> None:
-        body = json.dumps({**PROMPT, "max_tokens": 48, "stream": True})
+        body = json.dumps({**PROMPT, "max_tokens": 256, "stream": True})
         while not self.stop.is_set():
             try:
                 conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
