@@ -214,3 +214,17 @@ def test_metrics_are_valid_prometheus_text(workers, make_router):  # noqa: F811
     sample = families["radixserve_router_requests"].samples[0]
     assert sample.labels == {"worker": workers[0].url} and sample.value == 1.0
     assert families["radixserve_router_decision_seconds"].type == "histogram"
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--max-url-size", "0"], ["--warmup-secs", "-1"], ["--worker-urls", "http://not a url"]],
+)
+def test_bad_flags_are_one_line_not_a_traceback(flags):
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "radixserve", "route", "--port", "0", *flags]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.startswith("radixserve route: ") and out.stderr.count("\n") == 1

@@ -8,6 +8,7 @@ import asyncio
 import gc
 import logging
 import signal
+import sys
 
 from radixserve.config import add_dataclass_args, from_args
 from radixserve.router.config import RouterConfig
@@ -30,16 +31,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGINT or SIGTERM."""
-    config = from_args(RouterConfig, args)
+    try:
+        config = from_args(RouterConfig, args)
+    except ValueError as e:  # a bad flag value: one line, not a traceback
+        print(f"radixserve route: {e}", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
         import uvloop
     except ImportError:
-        asyncio.run(serve(config))
-    else:
-        uvloop.run(serve(config))
+        uvloop = None
+    try:
+        uvloop.run(serve(config)) if uvloop else asyncio.run(serve(config))
+    except (ValueError, OSError) as e:  # a malformed --worker-urls entry, a port in use
+        print(f"radixserve route: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

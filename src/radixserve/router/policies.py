@@ -42,7 +42,9 @@ class CachePolicyConfig:
             raise ValueError("balance_abs_threshold must be >= 0, balance_rel_threshold >= 1")
         if min(self.eviction_interval_secs, self.max_tree_size, self.share_slack,
                self.warmup_secs) < 0:  # fmt: skip
-            raise ValueError("eviction_interval_secs, max_tree_size, share_slack must be >= 0")
+            raise ValueError(
+                "eviction_interval_secs, max_tree_size, share_slack, warmup_secs must be >= 0"
+            )
 
     @classmethod
     def taken_from(cls, settings: object) -> CachePolicyConfig:
