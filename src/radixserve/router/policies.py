@@ -48,10 +48,8 @@ class CachePolicyConfig:
 
     @classmethod
     def taken_from(cls, settings: object) -> CachePolicyConfig:
-        """The policy's settings out of a larger config that mirrors its fields as flags (a
-        field it does not mirror keeps its default)."""
-        fields = dataclasses.fields(cls)
-        return cls(**{f.name: getattr(settings, f.name, f.default) for f in fields})
+        """The policy's settings out of a larger config that mirrors its fields as flags."""
+        return cls(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(cls)})
 
 
 @dataclass(slots=True, frozen=True)

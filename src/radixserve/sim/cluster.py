@@ -66,6 +66,9 @@ class ClusterConfig:
     share_slack: float = _f(
         _POLICY.share_slack, "cache_aware: share above the mean past which hits spill (inf: never)"
     )
+    warmup_secs: float = _f(
+        _POLICY.warmup_secs, "cache_aware: virtual seconds over which a joining engine ramps up"
+    )
 
     def __post_init__(self) -> None:
         if self.engines < 1:
