@@ -6,6 +6,7 @@ Prometheus text. Misbehaving workers are small raw servers in this file."""
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import socket
 import threading
@@ -15,6 +16,7 @@ import pytest
 
 pytest.importorskip("httptools")
 
+from prometheus_client import CONTENT_TYPE_LATEST  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from radixserve.router.config import HealthConfig  # noqa: E402
@@ -214,6 +216,11 @@ def test_metrics_are_valid_prometheus_text(workers, make_router):  # noqa: F811
     sample = families["radixserve_router_requests"].samples[0]
     assert sample.labels == {"worker": workers[0].url} and sample.value == 1.0
     assert families["radixserve_router_decision_seconds"].type == "histogram"
+    conn = http.client.HTTPConnection(r.addr, timeout=10)
+    conn.request("GET", "/metrics")
+    resp = conn.getresponse()
+    resp.read()
+    assert resp.getheader("Content-Type") == CONTENT_TYPE_LATEST  # prometheus-client's own
 
 
 @pytest.mark.parametrize(
