@@ -203,3 +203,26 @@ def test_a_slow_reader_is_not_buffered_in_router_memory(make_router):  # noqa: F
             assert got > 25_000_000
     finally:
         fast.kill()
+
+
+def test_a_large_body_is_parsed_off_the_event_loop(workers, make_router, monkeypatch):  # noqa: F811
+    import asyncio
+    import threading
+
+    threads: list[str] = []
+    original = asyncio.to_thread
+
+    async def watched(func, *args, **kwargs):  # noqa: ANN001, ANN202
+        def run():  # noqa: ANN202
+            threads.append(threading.current_thread().name)
+            return func(*args, **kwargs)
+
+        return await original(run)
+
+    monkeypatch.setattr(asyncio, "to_thread", watched)
+    r = make_router([workers[0].url])
+    small = exchange(r.addr, post("/generate", {"text": "short"}, close=True))
+    assert small.startswith(b"HTTP/1.1 200") and threads == []  # small: parsed inline
+    big = exchange(r.addr, post("/generate", {"text": "x" * 3_000_000}, close=True))
+    assert big.startswith(b"HTTP/1.1 200") and len(threads) == 1
+    assert threads[0] != r.thread.name  # not the event loop's thread
