@@ -174,10 +174,6 @@ class RouterPolicy:
         """Periodic housekeeping; the caller decides how often to call it."""
 
 
-def _busyness(worker: WorkerView) -> tuple[int, int]:
-    return (worker.load, worker.queued_tokens)
-
-
 POLICIES: dict[str, type[RouterPolicy]] = {}
 
 
@@ -199,50 +195,6 @@ def create_policy(
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r}; choose from {sorted(POLICIES)}")
     return POLICIES[name](config, seed)
-
-
-@register("round_robin")
-class RoundRobinPolicy(RouterPolicy):
-    """Healthy workers in turn."""
-
-    def __init__(self, config: CachePolicyConfig | None = None, seed: int = 0) -> None:
-        super().__init__(config, seed)
-        self._next = 0
-
-    def select(self, workers: Sequence[WorkerView], request: RequestView, now: float) -> int:
-        healthy = healthy_indices(workers)
-        start = self._next % len(workers)
-        pick = next((i for i in healthy if i >= start), healthy[0])
-        self._next = pick + 1
-        return pick
-
-
-@register("random")
-class RandomPolicy(RouterPolicy):
-    """A uniformly random healthy worker (seeded, so runs repeat)."""
-
-    def select(self, workers: Sequence[WorkerView], request: RequestView, now: float) -> int:
-        return self.rng.choice(healthy_indices(workers))
-
-
-@register("power_of_two")
-class PowerOfTwoPolicy(RouterPolicy):
-    """The less loaded of two random healthy workers."""
-
-    def select(self, workers: Sequence[WorkerView], request: RequestView, now: float) -> int:
-        healthy = healthy_indices(workers)
-        if len(healthy) == 1:
-            return healthy[0]
-        a, b = self.rng.sample(healthy, 2)
-        return min((a, b), key=lambda i: _busyness(workers[i]))
-
-
-@register("least_load")
-class LeastLoadPolicy(RouterPolicy):
-    """The healthy worker with the fewest in-flight requests (then queued tokens, then index)."""
-
-    def select(self, workers: Sequence[WorkerView], request: RequestView, now: float) -> int:
-        return min(healthy_indices(workers), key=lambda i: _busyness(workers[i]))
 
 
 # ----- cache_aware ------------------------------------------------------------------------------
@@ -477,4 +429,4 @@ class CacheAwarePolicy(RouterPolicy):
 
 # Policies in modules of their own register themselves on import (after the registry exists),
 # so that `--policy` lists them.
-from radixserve.router import affinity, kv_aware  # noqa: E402, F401
+from radixserve.router import affinity, kv_aware, load_policies  # noqa: E402, F401
