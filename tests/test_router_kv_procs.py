@@ -160,3 +160,14 @@ def test_a_worker_is_admitted_before_its_first_request(procs):
     assert adopting.call("POST", "/workers", {"url": w.url})[0] == 201
     generate(adopting, prompt("admitted"))
     assert adopting.requests_per_worker() == {w.url: 1}
+
+
+def test_kv_events_of_workers_behind_an_api_key(procs):
+    """`--worker-api-key` reaches the workers' info endpoints too: the router learns the
+    tokenizer and the event endpoint of a worker behind `--api-key`, and indexes its blocks."""
+    w = worker("--api-key", "worker-key")
+    procs.append(w)
+    router = RouterProc([w.url], "--policy", "kv_aware", "--worker-api-key", "worker-key")
+    procs.append(router)
+    generate(router, prompt("keyed"))
+    wait_for(lambda: blocks(router, w.url) >= WORDS // 16, "the worker's blocks indexed")

@@ -135,7 +135,10 @@ class Router(Endpoints):
         that tokenizes differently is removed (False). True at once without kv_aware."""
         if self.kv is None:
             return True
-        if await self.kv.admit(worker.id, worker.url, partial(fetch_json, worker.pool.request)):
+        key = self.config.worker_api_key  # the workers' info endpoints are behind their key
+        auth = b"Authorization: Bearer " + key.encode() + b"\r\n" if key is not None else b""
+        fetch = partial(fetch_json, worker.pool.request, headers=auth)
+        if await self.kv.admit(worker.id, worker.url, fetch):
             return True
         self.registry.remove(worker)
         return False
