@@ -63,21 +63,32 @@ def start_workers(n: int) -> tuple[list[subprocess.Popen], list[str]]:
 
 
 class RouterProc:
-    """A router process: `kind` is radixserve, sglang or radixserve:POLICY."""
+    """A router process: `kind` is radixserve, radixserve:POLICY, before (radixserve from
+    --compare-src, e.g. a checkout of the previous release), sglang or smg."""
+
+    compare_src = ""  # set by main()
+    smg_bin = ""
 
     def __init__(self, kind: str, urls: list[str]) -> None:
         self.kind, port = kind, free_port()
         self.url = f"http://127.0.0.1:{port}"
-        self.proc = subprocess.Popen(self.command(urls, port), stdout=subprocess.DEVNULL)
-        asyncio.run(wait_ready(self.url, "/liveness" if kind != "sglang" else "/health"))
+        env = {**os.environ, "PYTHONPATH": self.compare_src} if kind == "before" else None
+        self.proc = subprocess.Popen(
+            self.command(urls, port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env
+        )
+        ready = "/health" if kind in ("sglang", "smg") else "/liveness"
+        asyncio.run(wait_ready(self.url, ready))
         self.pid = self.proc.pid
 
     def command(self, urls: list[str], port: int) -> list[str]:
         name, _, policy = self.kind.partition(":")
         common = ["--worker-urls", *urls, "--host", "127.0.0.1", "--port", str(port)]
         common += ["--policy", policy or "cache_aware"]
-        if name == "radixserve":
+        if name in ("radixserve", "before"):
             return [sys.executable, "-m", "radixserve", "route", *common, "--log-level", "warning"]
+        if name == "smg":  # logs every request at info by default: warn, as the others
+            metrics = ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+            return [self.smg_bin, "launch", *common, *metrics, "--log-level", "warn"]
         metrics = ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
         module = "sglang_router.launch_router"
         return [sys.executable, "-m", module, *common, *metrics, "--log-level", "warn"]
@@ -147,7 +158,8 @@ async def drive(urls: list[str], body: Body, n: int, concurrency: int) -> dict:
         pool.close()
     latencies.sort()
     pct = lambda q: latencies[min(len(latencies) - 1, int(q * len(latencies)))] * 1e3  # noqa: E731
-    return {"rps": n / elapsed, "p50": pct(0.5), "p99": pct(0.99), "errors": dict(errors),
+    return {"rps": n / elapsed, "p50": pct(0.5), "p99": pct(0.99), "max": pct(1.0),
+            "errors": dict(errors),
             "served": served}  # fmt: skip
 
 
@@ -191,7 +203,8 @@ def throughput(kinds: list[str], urls: list[str], n: int, rounds: int) -> dict[i
     )
     print(
         f"{'target':<12}{'prompt':>7}{'req/s':>8}{'p50 ms':>8}{'p99 ms':>8}{'+p50 ms':>9}"
-        f"{'c=1 p50':>9}{'+p50 ms':>9}{'router CPU us/req':>19}{'req/s vs sglang':>17}  errors"
+        f"{'c=1 p50':>9}{'+p50 ms':>9}{'c=1 p99':>9}{'router CPU us/req':>19}"
+        f"{'req/s vs best other':>21}  errors"
     )
     routers = {kind: RouterProc(kind, urls) for kind in kinds}
     results: dict[int, dict] = {}
@@ -218,7 +231,7 @@ def measure_length(routers: dict, urls: list[str], length: int, count: int, roun
             us = (cpu_secs(proc.pid) - cpu) / count * 1e6 if proc else 0.0
             one = run(drive(dest, body, max(100, count // 20), 1))
             if r:
-                rows[t].append({**busy, "us": us, "c1": one["p50"]})
+                rows[t].append({**busy, "us": us, "c1": one["p50"], "c1p99": one["p99"]})
     return {t: summarize(rs) for t, rs in rows.items()}
 
 
@@ -226,21 +239,31 @@ def summarize(rows: list[dict]) -> dict:
     errors = Counter()
     for row in rows:
         errors.update(row["errors"])
-    keys = ("rps", "p50", "p99", "us", "c1")
+    keys = ("rps", "p50", "p99", "us", "c1", "c1p99")
     return {**{k: median(rows, k) for k in keys}, "errors": dict(errors), "rounds": rows}
 
 
+def strongest_other(res: dict, kind: str) -> str | None:
+    """The fastest router measured beside `kind` in this run (incumbents and `before`)."""
+    others = [k for k in res if k not in ("direct", kind) and ":" not in k]
+    return max(others, key=lambda k: res[k]["rps"], default=None)
+
+
+def ratio(res: dict, a: str, b: str) -> float:
+    return statistics.median(
+        x["rps"] / y["rps"] for x, y in zip(res[a]["rounds"], res[b]["rounds"])
+    )
+
+
 def print_throughput(length: int, res: dict) -> None:
-    base, sg = res["direct"], res.get("sglang")
+    base = res["direct"]
     for kind, r in res.items():
-        vs = ""
-        if sg is not None and kind != "direct":
-            ratios = [a["rps"] / b["rps"] for a, b in zip(r["rounds"], sg["rounds"])]
-            vs = f"{statistics.median(ratios):.2f}x"
+        best = strongest_other(res, kind) if kind != "direct" else None
+        vs = f"{ratio(res, kind, best):.2f}x {best}" if best else ""
         print(
             f"{kind:<12}{length:>7}{r['rps']:>8.0f}{r['p50']:>8.2f}{r['p99']:>8.2f}"
             f"{r['p50'] - base['p50']:>+9.2f}{r['c1']:>9.3f}{r['c1'] - base['c1']:>+9.3f}"
-            f"{r['us']:>19.0f}{vs:>17}  {r['errors'] or ''}",
+            f"{r['c1p99']:>9.3f}{r['us']:>19.0f}{vs:>21}  {r['errors'] or ''}",
             flush=True,
         )
 
@@ -341,6 +364,51 @@ def memory(kinds: list[str], urls: list[str], n: int) -> dict[str, float]:
     return after
 
 
+# ----- eviction stalls and joining workers (issue 15) -----
+
+
+def eviction(kinds: list[str], urls: list[str], fill: int, n: int) -> dict[str, dict]:
+    """Latency while the cache_aware tree evicts: distinct 8,000-char prompts past the default
+    --max-tree-size, at concurrency 8 so that a stall shows in many requests' latency."""
+    print(f"\n== eviction: distinct 8,000-char prompts, default --max-tree-size; {fill:,} fill "
+          f"the trees, then {n:,} at concurrency 8 ==")  # fmt: skip
+    out = {}
+    for kind in kinds:
+        router = RouterProc(kind, urls)
+        run(drive([router.url], text_body(distinct_prompts(8000, seed=5)), fill, 64))
+        r = out[kind] = run(drive([router.url], text_body(distinct_prompts(8000, seed=6)), n, 8))
+        router.stop()
+        print(f"{kind:<12} p50 {r['p50']:6.2f} ms  p99 {r['p99']:6.2f} ms  max {r['max']:6.2f} ms"
+              f"  p99/p50 {r['p99'] / r['p50']:4.2f}  {r['errors'] or ''}", flush=True)  # fmt: skip
+    return out
+
+
+def rejoin(kinds: list[str], urls: list[str], before: int, after: int) -> dict[str, float]:
+    """A worker removed and added back (as after a crash, with an empty cache): its share of
+    the next distinct-prefix requests. Even is 1/N; a herd is near 1."""
+    print(f"\n== rejoin: {before:,} distinct 2,000-char prompts, worker0 removed and added back, "
+          f"then {after:,} more at concurrency 16: worker0's share (even: {1 / len(urls):.2f}) ==")  # fmt: skip
+    out = {}
+    for kind in kinds:
+        router = RouterProc(kind, urls)
+        run(drive([router.url], text_body(distinct_prompts(2000, seed=7)), before, 16))
+        for path in ("/remove_worker", "/add_worker"):
+            run(_admin(router.url, f"{path}?url={urls[0]}"))
+        r = run(drive([router.url], text_body(distinct_prompts(2000, seed=8)), after, 16))
+        router.stop()
+        got = Counter(w for _, w in r["served"])
+        out[kind] = got.get("worker0", 0) / max(1, sum(got.values()))
+        print(f"{kind:<12} worker0 took {out[kind]:.2f} of the next {after:,}", flush=True)
+    return out
+
+
+async def _admin(url: str, path: str) -> dict:
+    pool = ConnectionPool(url)
+    resp = await pool.request("POST", path)
+    pool.close()
+    return {"status": resp.status}
+
+
 # ----- summary -----
 
 
@@ -373,13 +441,27 @@ def verdict(tp: dict | None, aff: dict | None, mem: dict | None) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a tenth of the requests (about 30 s)")
-    ap.add_argument("--only", default="throughput,affinity,memory", help="comma-separated")
+    ap.add_argument("--only", default="throughput,affinity,memory,eviction,rejoin",
+                    help="comma-separated")  # fmt: skip
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3, help="throughput rounds per target")
     ap.add_argument("--affinity-runs", type=int, default=3, help="affinity workload seeds")
     ap.add_argument("--no-sglang", action="store_true", help="skip sglang-router")
+    ap.add_argument("--smg", default="/tmp/venvs/smg/bin/smg", help="smg 1.13's CLI, if there")
+    ap.add_argument("--compare-src", default="",
+                    help="also run the router from this PYTHONPATH (e.g. the last release's src/) "
+                    "as 'before'")  # fmt: skip
     args = ap.parse_args()
     kinds = ["radixserve"]
+    if args.compare_src:
+        paths = args.compare_src.split(os.pathsep)
+        RouterProc.compare_src = os.pathsep.join(str(Path(p).resolve()) for p in paths)
+        kinds.append("before")
+    if Path(args.smg).exists():
+        RouterProc.smg_bin = args.smg
+        kinds.append("smg")
+    else:
+        print(f"smg is not installed at {args.smg} (pip install smg==1.13.0 in a venv)")
     try:
         import sglang_router  # noqa: F401
 
@@ -403,6 +485,11 @@ def main() -> None:
             aff = affinity([*kinds, "radixserve:round_robin"], urls, args.affinity_runs)
         if "memory" in args.only:
             mem = memory(kinds, urls, 100_000 // scale)
+        if "eviction" in args.only:
+            eviction([k for k in kinds if k in ("radixserve", "before")], urls,
+                     6000 // scale, 4000 // scale)  # fmt: skip
+        if "rejoin" in args.only:
+            rejoin(kinds, urls, 2000 // scale, 800 // scale)
     finally:
         for proc in procs:
             proc.terminate()

@@ -5,6 +5,8 @@ It answers instantly (or after `--token-delay-ms` per generated token, streamed 
 keeps a toy prefix cache (chained hashes of 64-character blocks, LRU beyond `--cache-chars`) so
 that it can report the hit rate a real engine with that much KV cache would see. Test hooks: POST /fake/fail {"count": n, "status": 500, "chunked": false} fails the next n
 generation requests (with a chunked body if asked, as a failing stream would); POST /fake/health {"ok": false} makes /health answer 503.
+Non-streamed answers carry the X-Request-Id the worker was sent (as "request_id") and an
+X-Fake-Worker header; `--api-key` makes it refuse requests without that bearer key.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class FakeEngine:
         self.blocks: OrderedDict[int, None] = OrderedDict()
         self.prompt_chars = self.cached_chars = self.requests = self.in_flight = 0
         self.fail_count, self.fail_status, self.fail_chunked, self.healthy = 0, 500, False, True
+        self.api_key, self.stats = b"", {"num_waiting": 0, "kv_usage": 0.0}
 
     def prompt_of(self, path: str, req: dict) -> str:
         if path == "/v1/chat/completions":
@@ -102,7 +105,7 @@ class WorkerConn(asyncio.Protocol):
         self.engine, self.token_delay = engine, token_delay
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
-        self.url, self.body = b"", []
+        self.url, self.body, self.rid, self.auth = b"", [], b"", b""
         self.queue: asyncio.Queue | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -121,6 +124,13 @@ class WorkerConn(asyncio.Protocol):
     def on_url(self, url: bytes) -> None:
         self.url += url
 
+    def on_header(self, name: bytes, value: bytes) -> None:
+        name = name.lower()
+        if name == b"x-request-id":
+            self.rid = value
+        elif name == b"authorization":
+            self.auth = value
+
     def on_body(self, body: bytes) -> None:
         self.body.append(body)
 
@@ -128,6 +138,9 @@ class WorkerConn(asyncio.Protocol):
         path, body = self.url.decode().split("?")[0], b"".join(self.body)
         self.url, self.body = b"", []
         method = self.parser.get_method().decode()
+        key, auth, self.auth = self.engine.api_key, self.auth, b""
+        if key and path not in ("/health", "/fake/fail") and auth != b"Bearer " + key:
+            return self.reply(401, {"error": {"message": "wrong key", "code": "invalid_api_key"}})
         if path in ("/generate", "/v1/completions", "/v1/chat/completions"):
             self.generate(path, body)
         else:
@@ -139,8 +152,14 @@ class WorkerConn(asyncio.Protocol):
             return (200, {}) if eng.healthy else (503, {"error": "unhealthy"})
         if path == "/v1/models":
             return 200, {"object": "list", "data": [{"id": eng.model, "object": "model"}]}
-        if path in ("/get_load", "/get_server_info"):
-            return 200, {**eng.info(), "num_reqs": eng.in_flight}
+        if path in ("/model_info", "/get_model_info"):  # what SGLang-aware routers ask
+            return 200, {"model_path": eng.model, "tokenizer_path": eng.model,
+                         "is_generation": True}  # fmt: skip
+        if path in ("/get_load", "/get_server_info", "/server_info"):
+            return 200, {**eng.info(), "num_reqs": eng.in_flight, "stats": eng.stats}
+        if path == "/fake/load":  # what /get_server_info reports as the engine's stats
+            eng.stats = json.loads(body)
+            return 200, {}
         if path == "/flush_cache":
             eng.blocks.clear()
             return 200, {"message": "Cache flushed"}
@@ -173,7 +192,8 @@ class WorkerConn(asyncio.Protocol):
             asyncio.get_running_loop().create_task(self.later(path, req, prompt, cached))
         else:
             text = "".join(eng.tokens(req))
-            self.reply(200, eng.final(path, req, text, prompt, cached))
+            self.reply(200, {**eng.final(path, req, text, prompt, cached),
+                             "request_id": self.rid.decode()})  # fmt: skip
 
     async def later(self, path: str, req: dict, prompt: str, cached: int) -> None:
         """A non-streamed answer after as long as generating its tokens would take."""
@@ -222,8 +242,9 @@ class WorkerConn(asyncio.Protocol):
             self.write(head % status + b"Transfer-Encoding: chunked\r\n\r\n")
             self.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(data), data))
             return
-        head = b"HTTP/1.1 %d X\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
-        self.write(head % (status, len(data)) + data)
+        head = b"HTTP/1.1 %d X\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+        worker = b"X-Fake-Worker: %s\r\n\r\n" % self.engine.name.encode()
+        self.write(head % (status, len(data)) + worker + data)
 
 
 async def start(
@@ -232,17 +253,21 @@ async def start(
     model: str = "fake-model",
     token_delay_ms: float = 0.0,
     cache_chars: int = 0,
+    api_key: str = "",
 ) -> tuple[asyncio.AbstractServer, FakeEngine, int]:
     """Listen on 127.0.0.1:`port` (0: any free port) in the running loop."""
     engine = FakeEngine(name, model, cache_chars)
+    engine.api_key = api_key.encode()
     server = await asyncio.get_running_loop().create_server(
         lambda: WorkerConn(engine, token_delay_ms / 1000), "127.0.0.1", port, backlog=1024
     )
     return server, engine, server.sockets[0].getsockname()[1]
 
 
-async def serve(port: int, name: str, model: str, token_delay_ms: float, cache: int) -> None:
-    server, _, bound = await start(port, name, model, token_delay_ms, cache)
+async def serve(
+    port: int, name: str, model: str, token_delay_ms: float, cache: int, api_key: str = ""
+) -> None:
+    server, _, bound = await start(port, name, model, token_delay_ms, cache, api_key)
     print(f"READY {bound}", flush=True)
     async with server:
         await server.serve_forever()
@@ -268,8 +293,10 @@ def main() -> None:
     ap.add_argument("--model", default="fake-model")
     ap.add_argument("--token-delay-ms", type=float, default=0.0)
     ap.add_argument("--cache-chars", type=int, default=0, help="prefix cache size (0: ample)")
+    ap.add_argument("--api-key", default="", help="bearer key required but on /health")
     args = ap.parse_args()
-    coro = serve(args.port, args.name, args.model, args.token_delay_ms, args.cache_chars)
+    coro = serve(args.port, args.name, args.model, args.token_delay_ms, args.cache_chars,
+                 args.api_key)  # fmt: skip
     try:
         import uvloop
     except ImportError:

@@ -25,9 +25,9 @@ from test_router_app import (  # noqa: E402
 )
 
 
-def metric(r: RouterThread, name: str) -> str:
+def metric(r: RouterThread, name: str) -> float:
     text = call("GET", r.addr, "/metrics")[1]
-    return next(ln.split()[-1] for ln in text.splitlines() if ln.startswith(name))
+    return float(next(ln.split()[-1] for ln in text.splitlines() if ln.startswith(name + " ")))
 
 
 def counts(r: RouterThread) -> dict[str, dict]:
@@ -42,9 +42,11 @@ def heal(workers):  # noqa: F811
         w.post("/fake/fail", {"count": 0})
 
 
-def test_backoff_doubles_up_to_its_cap():
+def test_backoff_doubles_up_to_its_cap_with_jitter():
     router = Router(RouterConfig(retry_backoff_ms=10, retry_max_backoff_ms=50))
-    assert [router._backoff(a) for a in (1, 2, 3, 4, 9)] == [0.01, 0.02, 0.04, 0.05, 0.05]
+    for attempt, base in zip((1, 2, 3, 4, 9), (0.01, 0.02, 0.04, 0.05, 0.05)):
+        waits = {router._backoff(attempt) for _ in range(50)}
+        assert all(base <= w <= 1.5 * base for w in waits) and len(waits) > 1  # jittered
 
 
 def test_retries_stop_at_the_limit_with_a_clear_error(workers, make_router, heal):  # noqa: F811
@@ -56,10 +58,10 @@ def test_retries_stop_at_the_limit_with_a_clear_error(workers, make_router, heal
     waited = time.monotonic() - t0
     assert status == 502 and body["error"]["type"] == "service_unavailable"
     assert "3 attempt(s)" in body["error"]["message"]  # the first try and max_retries=2 more
-    assert metric(r, "radixserve_router_retries_total") == "2"
+    assert metric(r, "radixserve_router_retries_total") == 2
     assert waited >= 0.1 + 0.2  # the backoffs were waited out (a lower bound: cannot flake)
     assert sum(w["errors"] for w in counts(r).values()) == 3
-    assert metric(r, 'radixserve_router_failed_requests_total{code="502"}') == "1"
+    assert metric(r, 'radixserve_router_failed_requests_total{code="502"}') == 1
 
 
 def test_client_errors_are_passed_through_not_retried(workers, make_router, heal):  # noqa: F811
@@ -68,7 +70,7 @@ def test_client_errors_are_passed_through_not_retried(workers, make_router, heal
     workers[1].post("/fake/fail", {"count": 1, "status": 400})
     status, body = generate(r.addr, "bad")
     assert status == 400 and body["error"]["message"] == "injected failure"
-    assert metric(r, "radixserve_router_retries_total") == "0"
+    assert metric(r, "radixserve_router_retries_total") == 0
     assert all(w["errors"] == 0 for w in counts(r).values())  # the worker is not to blame
 
 
@@ -78,16 +80,16 @@ def test_a_stream_that_fails_before_its_first_byte_is_retried(
     heal,
 ):
     r = make_router([w.url for w in workers[:2]], policy="round_robin", retry_backoff_ms=1)
-    workers[0].post("/fake/fail", {"count": 1, "status": 500, "chunked": True})
+    workers[0].post("/fake/fail", {"count": 1, "status": 503, "chunked": True})
     for _ in range(2):  # round robin: one of the two lands on the failing worker first
         conn = http.client.HTTPConnection(r.addr, timeout=10)
         conn.request("POST", "/generate", json.dumps({"text": "s", "stream": True}))
         resp = conn.getresponse()
         assert resp.status == 200 and resp.read().decode().endswith("data: [DONE]\n\n")
-    assert metric(r, "radixserve_router_retries_total") == "1"
+    assert metric(r, "radixserve_router_retries_total") == 1
 
 
-def test_a_stream_cut_by_a_dying_worker_ends_in_an_error_not_a_hang(make_router):  # noqa: F811
+def test_a_stream_cut_by_a_dying_worker_ends_with_an_error_event_then_done(make_router):  # noqa: F811
     slow = FakeWorker("dying", "--token-delay-ms", "30")
     r = make_router([slow.url])
     conn = http.client.HTTPConnection(r.addr, timeout=10)
@@ -96,16 +98,13 @@ def test_a_stream_cut_by_a_dying_worker_ends_in_an_error_not_a_hang(make_router)
     resp = conn.getresponse()
     received = resp.read1(65536)
     slow.kill()
-    try:
-        while chunk := resp.read1(65536):
-            received += chunk
-    except http.client.IncompleteRead as exc:  # the router closed the unfinished chunked body
-        received += exc.partial
+    received += resp.read()  # a properly ended chunked body: no IncompleteRead
     events = [e for e in received.decode().split("\n\n") if e.strip()]
     assert json.loads(events[0][6:])["choices"][0]["text"] == " t0"
-    error = json.loads(events[-1][6:])["error"]
-    assert error["code"] == 502 and "mid-stream" in error["message"]
-    assert "data: [DONE]" not in events  # no client can take it for a complete answer
+    # As vLLM and smg: the error event, then [DONE] (not a dropped connection).
+    error = json.loads(events[-2][6:])["error"]
+    assert error["code"] == "bad_gateway" and "mid-stream" in error["message"]
+    assert events[-1] == "data: [DONE]"
 
 
 def test_circuit_breaker_takes_a_dead_worker_out_and_lets_it_back(workers, make_router):  # noqa: F811

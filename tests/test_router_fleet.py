@@ -244,3 +244,9 @@ def test_streams_pass_through_the_router(fleet):
     assert status == 200 and events[-1][1] == "[DONE]" and len(events) >= 8
     # Relayed as generated, not buffered: the events did not all arrive at once.
     assert events[-1][0] > events[0][0]
+
+
+def test_the_router_runs_on_uvloop_where_it_installs(fleet):
+    uvloop = pytest.importorskip("uvloop")  # a dependency wherever it installs
+    r = fleet.router([])
+    assert r.wait_line(r"\(event loop: (\w+)\)").group(1) == uvloop.__name__

@@ -140,3 +140,34 @@ def test_a_restarted_worker_loses_its_stale_entries(procs):
     wait_for(lambda: blocks(router, again.url) == WORDS // 16, "only the new life's blocks")
     hit, _ = expected_hit(router, prompt("old"))
     assert hit == 0
+
+
+def test_a_worker_is_admitted_before_its_first_request(procs):
+    """POST /workers checks a kv_aware worker's tokenizer before the worker can take traffic:
+    a `serve --sim` worker (a word tokenizer) is refused with a 409 naming why behind a router
+    that tokenizes as SmolLM2, and never listed; behind a router that adopts the worker's own
+    tokenizer it is admitted (201) and serves through the router."""
+    w = worker()
+    procs.append(w)
+    strict = RouterProc([], "--policy", "kv_aware", "--tokenizer", "built-in:SmolLM2-135M")
+    procs.append(strict)
+    status, body = strict.call("POST", "/workers", {"url": w.url})
+    assert status == 409, body
+    assert "tokenizer" in body["error"]["message"]
+    assert strict.call("GET", "/workers")[1]["workers"] == []
+    adopting = RouterProc([], "--policy", "kv_aware")
+    procs.append(adopting)
+    assert adopting.call("POST", "/workers", {"url": w.url})[0] == 201
+    generate(adopting, prompt("admitted"))
+    assert adopting.requests_per_worker() == {w.url: 1}
+
+
+def test_kv_events_of_workers_behind_an_api_key(procs):
+    """`--worker-api-key` reaches the workers' info endpoints too: the router learns the
+    tokenizer and the event endpoint of a worker behind `--api-key`, and indexes its blocks."""
+    w = worker("--api-key", "worker-key")
+    procs.append(w)
+    router = RouterProc([w.url], "--policy", "kv_aware", "--worker-api-key", "worker-key")
+    procs.append(router)
+    generate(router, prompt("keyed"))
+    wait_for(lambda: blocks(router, w.url) >= WORDS // 16, "the worker's blocks indexed")

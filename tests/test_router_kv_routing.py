@@ -25,7 +25,9 @@ def engine_ids(tok, **inp) -> list[int]:
             {"role": m["role"], "content": m["content"] if isinstance(m["content"], str)
              else "".join(p["text"] for p in m["content"])} for m in inp["messages"]
         ]  # fmt: skip
-    return TokenizerManager.tokenize(SimpleNamespace(tokenizer=tok), GenerateInput(**inp))
+    manager = SimpleNamespace(tokenizer=tok)  # the two methods tokenize uses, unbound
+    manager.render_chat = lambda i: TokenizerManager.render_chat(manager, i)
+    return TokenizerManager.tokenize(manager, GenerateInput(**inp))
 
 
 @pytest.mark.parametrize("path", ["built-in:SmolLM2-135M", "sim:tiny-cpu"])

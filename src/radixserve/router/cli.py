@@ -33,8 +33,8 @@ def run(args: argparse.Namespace) -> int:
     """Serve until SIGINT or SIGTERM."""
     try:
         config = from_args(RouterConfig, args)
-    except ValueError as exc:
-        print(f"radixserve route: {exc}", file=sys.stderr)
+    except ValueError as e:  # a bad flag value: one line, not a traceback
+        print(f"radixserve route: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -42,9 +42,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         import uvloop
     except ImportError:
-        asyncio.run(serve(config))
-    else:
-        uvloop.run(serve(config))
+        uvloop = None
+    try:
+        uvloop.run(serve(config)) if uvloop else asyncio.run(serve(config))
+    except (ValueError, OSError) as e:  # a malformed --worker-urls entry, a port in use
+        print(f"radixserve route: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -61,15 +64,16 @@ async def serve(config: RouterConfig) -> None:
     # and over; rarer young-generation passes cut the router's CPU per request by about 8%.
     gc.freeze()
     gc.set_threshold(10_000, 20, 20)
+    loop = asyncio.get_running_loop()
     logging.getLogger("radixserve.router").info(
-        "routing on http://%s:%d to %d worker(s) with policy %s",
+        "routing on http://%s:%d to %d worker(s) with policy %s (event loop: %s)",
         config.host,
         port,
         len(config.worker_urls),
         config.policy,
+        type(loop).__module__.split(".")[0],
     )
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()

@@ -22,6 +22,10 @@ class HealthConfig:
     cb_failure_threshold: int = 3
     cb_success_threshold: int = 1
     cb_timeout_secs: float = 5.0
+    connect_timeout_secs: float = 5.0
+    max_conns: int = 0
+    overload_waiting: int = 0  # 0: off
+    overload_kv_usage: float = 0.0  # 0: off
 
 
 _POLICY = CachePolicyConfig()
@@ -51,6 +55,11 @@ class RouterConfig:
         _POLICY.share_slack,
         "cache_aware: a prefix's holder sent more than this fraction above the mean share of "
         "recent requests spills hits to the least-sent worker (inf: never)",
+    )
+    warmup_secs: float = _f(
+        _POLICY.warmup_secs,
+        "cache_aware: a worker that joins under traffic takes at most its fair share of new "
+        "prefixes at first, rising to no cap over this many seconds (0: off)",
     )
     eviction_interval_secs: float = _f(
         _POLICY.eviction_interval_secs, "cache_aware: seconds between tree evictions (0: never)"
@@ -89,11 +98,59 @@ class RouterConfig:
     )
     api_key: str | None = _f(None, "bearer key required on inference endpoints")
     admin_api_key: str | None = _f(
-        None, "bearer key required on worker management (default: --api-key)"
+        None,
+        "bearer key required on worker management; without one, management is answered to "
+        "loopback clients only (an --api-key never grants it)",
     )
-    max_payload_size: int = _f(256 * 2**20, "largest request body in bytes (larger: 413)")
+    worker_api_key: str | None = _f(
+        None, "bearer key sent to workers (default: forward the client's Authorization)"
+    )
+    max_payload_size: int = _f(
+        32 * 2**20, "largest request body in bytes, as `serve`'s (larger: 413)"
+    )
+    max_url_size: int = _f(8192, "longest request URL in bytes (longer: 414; nginx: 8 KiB)")
+    max_header_size: int = _f(
+        16384, "largest request head (header lines) in bytes (larger: 431; uvicorn: 16 KiB)"
+    )
+    header_timeout_secs: float = _f(
+        30.0, "a request head must arrive within this (else 408; nginx: 60 s)"
+    )
+    body_timeout_secs: float = _f(
+        30.0, "longest pause between pieces of a request body (else 408; nginx: 60 s)"
+    )
+    keep_alive_timeout_secs: float = _f(
+        75.0, "an idle keep-alive client connection is closed after this (nginx: 75 s)"
+    )
+    max_connections: int = _f(4096, "client connections at once; more are answered 503 and closed")
+    connect_timeout_secs: float = _f(5.0, "longest wait to connect to a worker")
+    stream_timeout_secs: float = _f(
+        300.0, "longest a worker may send nothing while answering (nginx: 60 s)"
+    )
+    max_worker_connections: int = _f(
+        1024, "connections to one worker at once; more requests wait (0: no cap)"
+    )
+    max_concurrent_requests: int = _f(
+        2048, "inference requests in flight at once (0: no cap); more wait in the queue"
+    )
+    queue_size: int = _f(
+        1024, "requests that may wait for a slot; more are answered 503 with Retry-After"
+    )
+    queue_timeout_secs: float = _f(60.0, "longest wait in the queue (then 503 with Retry-After)")
+    overload_waiting_threshold: int = _f(
+        0,
+        "steer away from a worker whose reported waiting queue exceeds this; all past it: "
+        "503 with Retry-After (read from /get_server_info at each health check; 0: off)",
+    )
+    overload_kv_usage_threshold: float = _f(
+        0.0, "as --overload-waiting-threshold, for the reported KV cache usage (0-1; 0: off)"
+    )
+    session_header: str = _f(
+        "X-Session-Id", "consistent_hashing: the request header that names the session"
+    )
     request_timeout_secs: float = _f(1800.0, "longest a worker may take over one request")
-    max_retries: int = _f(3, "attempts on other workers after a connection error or 5xx")
+    max_retries: int = _f(
+        3, "attempts on other workers after a connect error, 502, 503 or 504 (jittered backoff)"
+    )
     retry_backoff_ms: float = _f(10.0, "wait before the first retry; doubles for each next one")
     retry_max_backoff_ms: float = _f(1000.0, "longest wait between retries")
     health_check_interval_secs: float = _f(
@@ -124,6 +181,12 @@ class RouterConfig:
             raise ValueError(f"unknown policy {self.policy!r}; choose from {sorted(POLICIES)}")
         if self.max_retries < 0 or self.max_payload_size <= 0 or self.request_timeout_secs <= 0:
             raise ValueError("max_retries >= 0, max_payload_size > 0, request_timeout_secs > 0")
+        limits = (self.max_url_size, self.max_header_size, self.max_connections)
+        timeouts = (self.header_timeout_secs, self.body_timeout_secs, self.connect_timeout_secs,
+                    self.keep_alive_timeout_secs, self.stream_timeout_secs)  # fmt: skip
+        caps = (self.max_worker_connections, self.max_concurrent_requests, self.queue_size)
+        if min(limits) < 1 or min(timeouts) <= 0 or min(caps) < 0 or self.queue_timeout_secs <= 0:
+            raise ValueError("size limits, connection caps and timeouts must be positive")
         if self.health_failure_threshold < 1 or self.health_success_threshold < 1:
             raise ValueError("health thresholds must be >= 1")
         self._check_kv_index()
@@ -158,4 +221,8 @@ class RouterConfig:
             cb_failure_threshold=self.cb_failure_threshold,
             cb_success_threshold=self.cb_success_threshold,
             cb_timeout_secs=self.cb_timeout_duration_secs,
+            connect_timeout_secs=self.connect_timeout_secs,
+            max_conns=self.max_worker_connections,
+            overload_waiting=self.overload_waiting_threshold,
+            overload_kv_usage=self.overload_kv_usage_threshold,
         )

@@ -174,10 +174,13 @@ class KvRouting:
         return families
 
 
-async def fetch_json(request: Callable[..., Awaitable[Any]], path: str) -> dict[str, Any] | None:
-    """GET `path` through a worker's connection pool; None on any failure."""
+async def fetch_json(
+    request: Callable[..., Awaitable[Any]], path: str, headers: bytes = b""
+) -> dict[str, Any] | None:
+    """GET `path` through a worker's connection pool (`headers`: header lines to send, the
+    worker's API key); None on any failure."""
     try:
-        resp = await request("GET", path, timeout=5.0)
+        resp = await request("GET", path, timeout=5.0, headers=headers)
     except (OSError, ConnectionError):
         return None
     if resp.status != 200:

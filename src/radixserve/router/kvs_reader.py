@@ -122,34 +122,19 @@ class RedisIndexReader(PrefixIndex):
             self.table_at = -math.inf  # a worker registered since: read the table next time
         return out
 
-    def metric_lines(self, prefix: str) -> list[str]:
-        """Prometheus lines, each metric name starting with `prefix`."""
+    def metric_samples(self) -> list[tuple[str, str, str, float]]:
+        """(name, kind, help, value) for the router's /metrics; the lookup time is a summary
+        of `lookups` and `lookup_seconds`, which the collector reads itself."""
         up = int(self.gate.up(asyncio.get_running_loop().time()))
-        samples = [
+        return [
             ("kvs_up", "gauge", "1: lookups go to Redis; 0: marked down, the tree decides", up),
             ("kvs_lookups_total", "counter", "lookups answered by Redis", self.lookups),
             ("kvs_lookup_failures_total", "counter", "failed lookup attempts", self.failures),
-            (
-                "kvs_down_total",
-                "counter",
-                "times the service was marked down",
-                self.gate.times_down,
-            ),
-            (
-                "kvs_fallback_decisions_total",
-                "counter",
-                "decisions made without Redis",
-                self.fallbacks,
-            ),
-            (
-                "kvs_lookup_seconds_sum",
-                "counter",
-                "time spent in answered lookups",
-                round(self.lookup_seconds, 6),
-            ),
-        ]
-        return [line for name, kind, doc, value in samples
-                for line in (f"# HELP {prefix}{name} {doc}", f"# TYPE {prefix}{name} {kind}", f"{prefix}{name} {value}")]  # fmt: skip
+            ("kvs_down_total", "counter", "times the service was marked down",
+             self.gate.times_down),
+            ("kvs_fallback_decisions_total", "counter", "decisions made without Redis",
+             self.fallbacks),
+        ]  # fmt: skip
 
     async def close(self) -> None:
         await self.store.client.aclose()

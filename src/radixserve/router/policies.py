@@ -9,13 +9,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
 from radixserve.router.event_format import namespace_string
 from radixserve.router.keys import Namespace, ids_key, namespace, text_key, units
 from radixserve.router.shares import DispatchShares
 from radixserve.router.tree import NODE_UNITS, MultiTenantTree
+from radixserve.router.warmup import WarmUp
 
 
 @dataclass(slots=True, frozen=True)
@@ -34,14 +35,19 @@ class CachePolicyConfig:
     share_slack: float = 0.05
     # kv_aware (kv_aware.py): prompts shorter than this are placed by load alone (Llumnix's flag).
     cache_aware_scheduling_min_tokens: int = 16
+    # Not in sglang-router: a joining worker's cap on new prefixes ramps up over this (warmup.py).
+    warmup_secs: float = 60.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.cache_threshold <= 1.0:
             raise ValueError("cache_threshold must be within [0, 1]")
         if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0:
             raise ValueError("balance_abs_threshold must be >= 0, balance_rel_threshold >= 1")
-        if self.eviction_interval_secs < 0 or self.max_tree_size < 0 or self.share_slack < 0:
-            raise ValueError("eviction_interval_secs, max_tree_size, share_slack must be >= 0")
+        if min(self.eviction_interval_secs, self.max_tree_size, self.share_slack,
+               self.warmup_secs) < 0:  # fmt: skip
+            raise ValueError(
+                "eviction_interval_secs, max_tree_size, share_slack, warmup_secs must be >= 0"
+            )
         if self.cache_aware_scheduling_min_tokens < 0:
             raise ValueError("cache_aware_scheduling_min_tokens must be >= 0")
 
@@ -76,6 +82,7 @@ class RequestView:
     namespace: Namespace = ()
     token_ids: Sequence[int] | None = None
     kv_namespace: str = ""
+    routing_key: bytes = b""  # a session header's value, for consistent_hashing
 
     @classmethod
     def from_prompt(
@@ -167,10 +174,6 @@ class RouterPolicy:
         """Periodic housekeeping; the caller decides how often to call it."""
 
 
-def _busyness(worker: WorkerView) -> tuple[int, int]:
-    return (worker.load, worker.queued_tokens)
-
-
 POLICIES: dict[str, type[RouterPolicy]] = {}
 
 
@@ -192,50 +195,6 @@ def create_policy(
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r}; choose from {sorted(POLICIES)}")
     return POLICIES[name](config, seed)
-
-
-@register("round_robin")
-class RoundRobinPolicy(RouterPolicy):
-    """Healthy workers in turn."""
-
-    def __init__(self, config: CachePolicyConfig | None = None, seed: int = 0) -> None:
-        super().__init__(config, seed)
-        self._next = 0
-
-    def select(self, workers: Sequence[WorkerView], request: RequestView, now: float) -> int:
-        healthy = healthy_indices(workers)
-        start = self._next % len(workers)
-        pick = next((i for i in healthy if i >= start), healthy[0])
-        self._next = pick + 1
-        return pick
-
-
-@register("random")
-class RandomPolicy(RouterPolicy):
-    """A uniformly random healthy worker (seeded, so runs repeat)."""
-
-    def select(self, workers: Sequence[WorkerView], request: RequestView, now: float) -> int:
-        return self.rng.choice(healthy_indices(workers))
-
-
-@register("power_of_two")
-class PowerOfTwoPolicy(RouterPolicy):
-    """The less loaded of two random healthy workers."""
-
-    def select(self, workers: Sequence[WorkerView], request: RequestView, now: float) -> int:
-        healthy = healthy_indices(workers)
-        if len(healthy) == 1:
-            return healthy[0]
-        a, b = self.rng.sample(healthy, 2)
-        return min((a, b), key=lambda i: _busyness(workers[i]))
-
-
-@register("least_load")
-class LeastLoadPolicy(RouterPolicy):
-    """The healthy worker with the fewest in-flight requests (then queued tokens, then index)."""
-
-    def select(self, workers: Sequence[WorkerView], request: RequestView, now: float) -> int:
-        return min(healthy_indices(workers), key=lambda i: _busyness(workers[i]))
 
 
 # ----- cache_aware ------------------------------------------------------------------------------
@@ -334,6 +293,11 @@ class CacheAwarePolicy(RouterPolicy):
         self._loads: dict[Hashable, tuple[float, int]] = {}
         self._observed_at = -math.inf
         self._shares = DispatchShares()
+        self._warmup = WarmUp(self.config.warmup_secs)
+        # Where the policy runs beside live traffic (the router), eviction is deferred: the
+        # owner sees `evict_due` and runs eviction_slices() between requests, so no request
+        # waits on a walk of the whole tree. The simulator evicts inline.
+        self.defer_eviction, self.evict_due = False, False
 
     def select(self, workers: Sequence[WorkerView], request: RequestView, now: float) -> int:
         healthy = healthy_indices(workers)
@@ -341,33 +305,46 @@ class CacheAwarePolicy(RouterPolicy):
         floor = min(workers[i].load for i in healthy)
         eligible = [i for i in healthy if self._within_balance(workers[i].load, floor)]
         hit = self._best_match(workers, eligible, request)
-        return (
-            self._place(workers, eligible) if hit is None else self._spill(workers, eligible, hit)
-        )
+        if hit is not None:
+            return self._spill(workers, eligible, hit)
+        return self._place(workers, eligible, now, len(healthy))
 
     def on_dispatch(self, worker_id: Hashable, request: RequestView, now: float) -> None:
         held = self.tree.insert(request.key, worker_id, now, request.namespace)
         self._matched_units += held
-        self._total_units += units(request.key)
+        total = units(request.key)
+        self._total_units += total
+        if total and held / total <= self.config.cache_threshold:
+            self._warmup.record_new(worker_id)
         self._shares.record(worker_id)
         cfg = self.config
         if cfg.eviction_interval_secs > 0 and self.tree.cost(worker_id) > cfg.max_tree_size:
-            self._evict()
+            self._evict_soon()
 
     def on_worker_removed(self, worker_id: Hashable) -> None:
         self.tree.remove_tenant(worker_id)
         self._loads.pop(worker_id, None)
         self._shares.forget(worker_id)
+        self._warmup.forget(worker_id)
 
     def tick(self, now: float) -> None:
         interval = self.config.eviction_interval_secs
         if interval > 0 and now - self._last_eviction >= interval:
-            self._evict()
+            self._evict_soon()
             self._last_eviction = now
 
-    def _evict(self) -> None:
+    def _evict_soon(self) -> None:
+        if self.defer_eviction:
+            self.evict_due = True
+        else:
+            cap = self.config.max_tree_size
+            self.tree.evict_tenant_by_cost(cap - cap // 8)
+
+    def eviction_slices(self) -> Iterator[int]:
+        """The deferred eviction, in slices of bounded work (see MultiTenantTree)."""
+        self.evict_due = False
         cap = self.config.max_tree_size
-        self.tree.evict_tenant_by_cost(cap - cap // 8)
+        return self.tree.evict_in_slices(cap - cap // 8)
 
     def expected_hit_rate(self) -> float:
         """Share of dispatched key units that the chosen worker already held."""
@@ -428,21 +405,28 @@ class CacheAwarePolicy(RouterPolicy):
         weight = 1.0 - math.exp(-elapsed / LOAD_SMOOTHING_SECS) if elapsed > 0 else 0.0
         for i in healthy:
             wid, load = workers[i].id, workers[i].load
+            if wid not in loads:
+                self._warmup.join(wid, now)
             avg, held = loads.get(wid, (load, load))
             loads[wid] = (avg + weight * (held - avg), load)
         self._observed_at = max(self._observed_at, now)
         self._shares.observe([workers[i].id for i in healthy])
 
-    def _place(self, workers: Sequence[WorkerView], eligible: list[int]) -> int:
+    def _place(
+        self, workers: Sequence[WorkerView], eligible: list[int], now: float, fleet: int
+    ) -> int:
         """Where a new prefix goes: the smallest tree among workers not lastingly busier than
-        average, then the least loaded."""
+        average and not past their warm-up cap, then the least loaded."""
         avg = [self._loads.get(workers[i].id, (workers[i].load, 0))[0] for i in eligible]
         mean = sum(avg) / len(avg)
         # Two standard deviations of a Poisson count: busier than this is not noise.
         ceiling = mean + 2.0 * math.sqrt(mean) + 1.0
         calm = [i for i, a in zip(eligible, avg) if a <= ceiling]
+        if self._warmup.active():
+            calm = [i for i in calm if self._warmup.allows(workers[i].id, now, fleet)] or calm
         return min(calm, key=lambda i: (self.tree.size(workers[i].id), workers[i].load))
 
 
-# kv_aware lives in its own module and registers itself here, so that `--policy` lists it.
-from radixserve.router import kv_aware as _kv_aware  # noqa: E402, F401
+# Policies in modules of their own register themselves on import (after the registry exists),
+# so that `--policy` lists them.
+from radixserve.router import affinity, kv_aware, load_policies  # noqa: E402, F401

@@ -190,6 +190,62 @@ class MultiTenantTree:
         self._drop_empty_roots()
         return evicted
 
+    def evict_in_slices(self, max_cost: int, nodes_per_slice: int = 500) -> Iterator[int]:
+        """The same eviction as evict_tenant_by_cost, as a generator that does at most about
+        `nodes_per_slice` nodes of work between yields (it yields the units evicted so far), so
+        that a caller can interleave it with inserts and matches instead of stalling them while
+        it walks the whole tree. The tree may change between slices: a leaf touched or grown
+        since it was seen is skipped, and leaves that become leaves meanwhile wait for the next
+        pass."""
+        over = {t for t in self._sizes if self.cost(t) > max_cost}
+        heaps: dict[Tenant, list[_HeapItem]] = {t: [] for t in over}
+        stack = [c for root in self._roots.values() for c in (root.children or {}).values()]
+        done = 0
+        while stack and over:
+            node = stack.pop()
+            for tenant, (stamp, _) in node.tenants.items():
+                if tenant in over and not self._holds_a_child(node, tenant):
+                    heaps[tenant].append((stamp, next(self._seq), node))
+            if node.children:
+                stack.extend(node.children.values())
+            done += 1
+            if done % nodes_per_slice == 0:
+                yield 0
+        evicted = 0
+        for tenant, heap in heaps.items():
+            heapq.heapify(heap)
+            while heap and self.cost(tenant) > max_cost:
+                stamp, _, node = heapq.heappop(heap)
+                before, done = done, done + 1
+                if self._still_a_leaf(node, tenant, stamp):
+                    # Freeing a long edge costs like visiting many nodes: counted as such.
+                    done += len(node.edge) // 1024
+                    evicted += self._drop(node, tenant)
+                if done // nodes_per_slice != before // nodes_per_slice:
+                    yield evicted
+        self._drop_empty_roots()
+        yield evicted
+
+    @staticmethod
+    def _holds_a_child(node: _Node, tenant: Tenant) -> bool:
+        return bool(node.children) and any(tenant in c.tenants for c in node.children.values())
+
+    def _still_a_leaf(self, node: _Node, tenant: Tenant, stamp: float) -> bool:
+        """Whether `node` is, as when it was seen, an untouched attached leaf of `tenant`."""
+        use, parent = node.tenants.get(tenant), node.parent
+        attached = parent is not None and (parent.children or {}).get(node.edge[:UNIT]) is node
+        return (use is not None and use[0] == stamp and attached
+                and not self._holds_a_child(node, tenant))  # fmt: skip
+
+    def _drop(self, node: _Node, tenant: Tenant) -> int:
+        del node.tenants[tenant]
+        n = len(node.edge) // UNIT
+        self._sizes[tenant] -= n
+        self._nodes[tenant] -= 1
+        if not node.tenants:
+            self._detach(node)
+        return n
+
     def remove_tenant(self, tenant: Tenant) -> None:
         """Forget everything `tenant` holds (a worker left)."""
         # Children before parents, so a node emptied here has no children left to orphan.

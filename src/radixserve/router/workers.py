@@ -1,201 +1,55 @@
-"""The router's workers: registry, health checks, circuit breaker, in-flight load accounting,
-and the pooled keep-alive HTTP/1.1 client (asyncio + httptools) that talks to each worker.
-
-Why a hand-written client: aiohttp's client costs about 150 us of CPU per request on a small VM,
-more than everything else the router does; this one costs about 25 us (benchmarks/router_bench).
-"""
+"""The router's workers: registry, health checks, circuit breaker and in-flight load
+accounting. The HTTP client that talks to each worker is pool.py."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
+import socket
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-import httptools
-
 from radixserve.router.config import HealthConfig
 from radixserve.router.policies import WorkerView
+from radixserve.router.pool import (  # noqa: F401  (re-exported: the router's one import place)
+    ConnectionPool,
+    Headers,
+    HttpConnection,
+    Response,
+    UpstreamError,
+    check_url,
+)
 
 log = logging.getLogger("radixserve.router")
-
-Headers = list[tuple[bytes, bytes]]
-Sink = Callable[[bytes], None]
-OnHead = Callable[[int, Headers, bool], "Sink | None"]
-"""Called with (status, headers, chunked) when a response's head arrives; a returned sink gets the
-body chunks as they arrive instead of the body being buffered."""
-
-
-class UpstreamError(ConnectionError):
-    """The worker could not be reached, or hung up before the response was complete."""
-
-
-@dataclass(slots=True)
-class Response:
-    status: int
-    headers: Headers
-    body: bytes
-
-
-class _Exchange:
-    """One request's response being received; resolves `done` when complete or failed."""
-
-    __slots__ = ("done", "on_head", "sink", "status", "headers", "chunks")
-
-    def __init__(self, done: asyncio.Future[Response], on_head: OnHead | None) -> None:
-        self.done, self.on_head, self.sink = done, on_head, None
-        self.status, self.headers, self.chunks = 0, [], []
-
-
-class HttpConnection(asyncio.Protocol):
-    """One keep-alive HTTP/1.1 connection to a worker, one request at a time."""
-
-    def __init__(self, pool: ConnectionPool) -> None:
-        self.pool = pool
-        self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpResponseParser(self)
-        # The parser callbacks below run only while a response is expected, so `ex` is set.
-        self.ex: _Exchange | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport
-
-    def data_received(self, data: bytes) -> None:
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self.fail(UpstreamError(f"bad response from {self.pool.url}: {exc}"))
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.transport = None
-        self.pool.forget(self)
-        self.fail(UpstreamError(f"{self.pool.url} closed the connection"))
-
-    def send(self, data: bytes, ex: _Exchange) -> None:
-        self.ex = ex
-        self.transport.write(data)
-
-    def fail(self, exc: BaseException) -> None:
-        ex, self.ex = self.ex, None
-        if ex is not None and not ex.done.done():
-            ex.done.set_exception(exc)
-        if self.transport is not None:
-            self.transport.abort()
-
-    # httptools callbacks
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.ex.headers.append((name.lower(), value))
-
-    def on_headers_complete(self) -> None:
-        ex = self.ex
-        ex.status = self.parser.get_status_code()
-        if ex.on_head is not None:
-            chunked = any(n == b"transfer-encoding" for n, _ in ex.headers)
-            ex.sink = ex.on_head(ex.status, ex.headers, chunked)
-
-    def on_body(self, body: bytes) -> None:
-        ex = self.ex
-        if ex.sink is None:
-            ex.chunks.append(body)
-        else:
-            ex.sink(body)
-
-    def on_message_complete(self) -> None:
-        ex, self.ex = self.ex, None
-        if not ex.done.done():
-            ex.done.set_result(Response(ex.status, ex.headers, b"".join(ex.chunks)))
-        if self.parser.should_keep_alive():
-            self.pool.release(self)
-        elif self.transport is not None:
-            self.transport.close()
-
-
-class ConnectionPool:
-    """Keep-alive connections to one worker; opens a new one whenever none is idle."""
-
-    def __init__(self, url: str, max_idle: int = 256) -> None:
-        parts = urlsplit(url if "://" in url else "http://" + url)
-        if parts.scheme != "http" or not parts.hostname:
-            raise ValueError(f"worker url must be http://host:port, got {url!r}")
-        self.url, self.host, self.port = url, parts.hostname, parts.port or 80
-        self.base = parts.path.rstrip("/")
-        self.max_idle, self.closed = max_idle, False
-        self._idle: list[HttpConnection] = []
-        self._host_header = f"Host: {self.host}:{self.port}\r\n".encode()
-
-    async def request(
-        self,
-        method: str,
-        path: str,
-        body: bytes = b"",
-        on_head: OnHead | None = None,
-        timeout: float | None = None,
-    ) -> Response:
-        """Send one request; raises UpstreamError (unreachable, hung up, or timed out)."""
-        loop = asyncio.get_running_loop()
-        conn = self._idle.pop() if self._idle else await self._connect(loop)
-        head = f"{method} {self.base}{path} HTTP/1.1\r\n".encode() + self._host_header
-        if body or method == "POST":
-            head += b"Content-Type: application/json\r\nContent-Length: %d\r\n" % len(body)
-        ex = _Exchange(loop.create_future(), on_head)
-        conn.send(head + b"\r\n" + body, ex)
-        timer = None if timeout is None else loop.call_later(timeout, self._expire, conn, ex)
-        try:
-            return await ex.done
-        except asyncio.CancelledError:
-            conn.fail(UpstreamError("cancelled"))  # the client left: the worker should see it
-            raise
-        finally:
-            if timer is not None:
-                timer.cancel()
-
-    def _expire(self, conn: HttpConnection, ex: _Exchange) -> None:
-        if conn.ex is ex:
-            conn.fail(UpstreamError(f"{self.url} timed out"))
-
-    async def _connect(self, loop: asyncio.AbstractEventLoop) -> HttpConnection:
-        try:
-            _, conn = await loop.create_connection(
-                lambda: HttpConnection(self), self.host, self.port
-            )
-        except OSError as exc:
-            raise UpstreamError(f"cannot connect to {self.url}: {exc}") from exc
-        return conn
-
-    def release(self, conn: HttpConnection) -> None:
-        if self.closed or len(self._idle) >= self.max_idle:
-            conn.transport.close()
-        else:
-            self._idle.append(conn)
-
-    def forget(self, conn: HttpConnection) -> None:
-        if conn in self._idle:
-            self._idle.remove(conn)
-
-    def close(self) -> None:
-        """Close idle connections now; busy ones close when their response completes."""
-        self.closed = True
-        for conn in self._idle:
-            conn.transport.close()
-        self._idle.clear()
 
 
 class CircuitBreaker:
     """Stops routing to a worker after `failure_threshold` failed requests in a row; after
-    `open_secs` it lets traffic try again and closes after `success_threshold` successes."""
+    `open_secs` it lets one trial request through at a time (half open) and closes after
+    `success_threshold` successes."""
 
     def __init__(self, failure_threshold: int, success_threshold: int, open_secs: float) -> None:
         self.failure_threshold, self.success_threshold = failure_threshold, success_threshold
-        self.open_secs = open_secs
+        self.open_secs, self.trial = open_secs, False
         self.state, self.failures, self.successes, self.open_until = "closed", 0, 0, 0.0
 
     def allows(self, now: float) -> bool:
         if self.state == "open" and now >= self.open_until:
-            self.state, self.successes = "half_open", 0
-        return self.state != "open"
+            self.state, self.successes, self.trial = "half_open", 0, False
+        return self.state == "closed" or (self.state == "half_open" and not self.trial)
+
+    def dispatched(self) -> None:
+        """A request was sent: while half open it is the one trial."""
+        if self.state == "half_open":
+            self.trial = True
+
+    def settled(self) -> None:
+        """The request sent under dispatched() ended, however it ended."""
+        self.trial = False
 
     def record(self, ok: bool, now: float) -> None:
         if ok:
@@ -222,6 +76,7 @@ class Worker:
     queued_units: int = 0
     probe_failures: int = 0
     probe_successes: int = 0
+    addrs: frozenset[tuple[str, int]] = frozenset()
     counts: dict[str, int] = field(default_factory=lambda: {"requests": 0, "errors": 0})
 
     def view(self, now: float) -> WorkerView:
@@ -239,14 +94,33 @@ class Worker:
         }
 
 
-async def fan_out(workers: list[Worker], method: str, path: str) -> list[Response | Exception]:
+async def fan_out(
+    workers: list[Worker], method: str, path: str, headers: bytes = b""
+) -> list[Response | Exception]:
     """The same request to every worker at once; failures come back as exceptions."""
-    calls = (w.pool.request(method, path, timeout=30.0) for w in workers)
+    calls = (w.pool.request(method, path, timeout=30.0, headers=headers) for w in workers)
     return await asyncio.gather(*calls, return_exceptions=True)
 
 
 def _normalize(url: str) -> str:
-    return (url if "://" in url else "http://" + url).rstrip("/")
+    try:
+        return check_url(url)
+    except ValueError:
+        return url
+
+
+async def resolve(url: str) -> frozenset[tuple[str, int]]:
+    """The (address, port) pairs `url` reaches, so that one worker named two ways (localhost
+    and 127.0.0.1) is known as one; empty if the name does not resolve."""
+    parts = urlsplit(check_url(url))
+    port = parts.port or 80
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(
+            parts.hostname, port, type=socket.SOCK_STREAM
+        )
+    except OSError:
+        return frozenset()
+    return frozenset((info[4][0], port) for info in infos)
 
 
 class WorkerRegistry:
@@ -258,16 +132,21 @@ class WorkerRegistry:
         self.workers: list[Worker] = []
         self._ids = itertools.count(1)
         self._task: asyncio.Task[None] | None = None
+        self.overloaded: frozenset[str] = frozenset()  # ids past an overload threshold
 
-    def add(self, url: str) -> Worker:
-        """Register `url` (ValueError if malformed or already present); routable at once."""
-        url = _normalize(url)
-        if self.by_url(url) is not None:
-            raise ValueError(f"worker {url} is already registered")
+    def add(
+        self, url: str, addrs: frozenset[tuple[str, int]] = frozenset(), healthy: bool = True
+    ) -> Worker:
+        """Register `url` (ValueError if malformed or already present, by its url or by the
+        addresses it resolved to); routable at once if `healthy`."""
+        url = check_url(url)
+        same = self.by_url(url) or next((w for w in self.workers if w.addrs & addrs), None)
+        if same is not None:
+            raise ValueError(f"worker {url} is already registered (as {same.url})")
         h = self.health
         breaker = CircuitBreaker(h.cb_failure_threshold, h.cb_success_threshold, h.cb_timeout_secs)
-        pool = ConnectionPool(url)  # validates the url before an id is spent on it
-        worker = Worker(f"w{next(self._ids)}", url, pool, breaker)
+        pool = ConnectionPool(url, connect_timeout=h.connect_timeout_secs, max_conns=h.max_conns)
+        worker = Worker(f"w{next(self._ids)}", url, pool, breaker, healthy, addrs=addrs)
         self.workers = [*self.workers, worker]  # copy: a running health sweep keeps its list
         log.info("worker %s added: %s", worker.id, url)
         return worker
@@ -288,6 +167,9 @@ class WorkerRegistry:
 
     def views(self, now: float, exclude: Iterable[str] = ()) -> list[WorkerView]:
         views = [w.view(now) for w in self.workers]
+        if self.overloaded:  # steered away from; when that is everyone, the router sheds
+            views = [WorkerView(v.id, v.load, False) if v.id in self.overloaded else v
+                     for v in views]  # fmt: skip
         if exclude:
             views = [WorkerView(v.id, v.load, False) if v.id in exclude else v for v in views]
         return views
@@ -321,13 +203,42 @@ class WorkerRegistry:
         results = await asyncio.gather(*(self._probe(w) for w in workers))
         for worker, ok in zip(workers, results):
             self._record_probe(worker, ok)
+        h = self.health
+        if h.overload_waiting > 0 or h.overload_kv_usage > 0:
+            live = [w for w in workers if w.healthy]
+            loads = await asyncio.gather(*(self._load(w) for w in live))
+            self.overloaded = frozenset(w.id for w, busy in zip(live, loads) if busy)
+
+    async def _load(self, worker: Worker) -> bool:
+        """Whether the worker reports a waiting queue or KV usage past the thresholds (our
+        server's /get_server_info "stats"); a worker that does not say is not overloaded."""
+        h = self.health
+        try:
+            resp = await asyncio.wait_for(
+                worker.pool.request("GET", "/get_server_info", timeout=h.timeout_secs),
+                h.timeout_secs,
+            )
+            stats = json.loads(resp.body).get("stats") or {} if resp.status == 200 else {}
+        except (UpstreamError, OSError, asyncio.TimeoutError, ValueError, AttributeError):
+            return False
+        waiting, kv = stats.get("num_waiting") or 0, stats.get("kv_usage") or 0.0
+        return (0 < h.overload_waiting < waiting) or (0 < h.overload_kv_usage < kv)
+
+    async def probe_now(self, worker: Worker) -> bool:
+        """One probe whose verdict counts at once (a worker just added)."""
+        ok = await self._probe(worker)
+        worker.healthy = ok
+        return ok
 
     async def _probe(self, worker: Worker) -> bool:
+        # The whole probe, connecting included, is bounded: one host that drops packets must
+        # not hold up the verdict on the others.
+        timeout = self.health.timeout_secs
         try:
-            resp = await worker.pool.request(
-                "GET", self.health.endpoint, timeout=self.health.timeout_secs
+            resp = await asyncio.wait_for(
+                worker.pool.request("GET", self.health.endpoint, timeout=timeout), timeout
             )
-        except (UpstreamError, OSError):
+        except (UpstreamError, OSError, asyncio.TimeoutError):
             return False
         return resp.status == 200
 

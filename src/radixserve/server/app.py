@@ -20,6 +20,7 @@ from radixserve.engine.tokenizer_manager import GenerateInput, RequestError
 from radixserve.sched.request import SamplingParams
 from radixserve.server.config import ServerConfig
 from radixserve.server.control import admin_routes, control_routes
+from radixserve.server.docs import RequestIdMiddleware, add_docs
 from radixserve.server.errors import ApiError, install_handlers
 from radixserve.server.kv_events_routes import kv_events_routes
 from radixserve.server.metrics import CONTENT_TYPE, stats_dict
@@ -43,10 +44,19 @@ def create_app(config: ServerConfig, engine: EngineProcesses) -> FastAPI:
         finally:
             await state.tm.close()
 
-    app = FastAPI(title="radixserve", version=__version__, lifespan=lifespan,
-                  default_response_class=JSONBody)  # fmt: skip
+    app = FastAPI(
+        title="radixserve",
+        version=__version__,
+        lifespan=lifespan,
+        default_response_class=JSONBody,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )  # fmt: skip  (docs.py serves them behind --api-key)
     app.state.server = state
     install_handlers(app)
+    add_docs(app, state)
+    app.add_middleware(RequestIdMiddleware)
     app.include_router(inference_routes(state))
     app.include_router(control_routes(state))
     app.include_router(admin_routes(state))

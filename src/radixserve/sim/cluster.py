@@ -78,6 +78,9 @@ class ClusterConfig:
     cache_aware_scheduling_min_tokens: int = _f(
         _POLICY.cache_aware_scheduling_min_tokens, "kv_aware: shorter prompts go by load alone"
     )
+    warmup_secs: float = _f(
+        _POLICY.warmup_secs, "cache_aware: virtual seconds over which a joining engine ramps up"
+    )
 
     def __post_init__(self) -> None:
         if self.engines < 1:
