@@ -27,7 +27,7 @@ def engine_ids(tok, **inp) -> list[int]:
         ]  # fmt: skip
     manager = SimpleNamespace(tokenizer=tok)  # the two methods tokenize uses, unbound
     manager.render_chat = lambda i: TokenizerManager.render_chat(manager, i)
-    return TokenizerManager.tokenize(manager, GenerateInput(**inp))
+    return list(TokenizerManager.tokenize(manager, GenerateInput(**inp)))  # an array since issue 16
 
 
 @pytest.mark.parametrize("path", ["built-in:SmolLM2-135M", "sim:tiny-cpu"])
