@@ -185,19 +185,6 @@ TestRadixPage16Benefit = RadixMachinePagedBenefit.TestCase
 TestRadixPage16Benefit.settings = _POLICY_SETTINGS
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo"])
-def test_eviction_order(policy: str) -> None:
-    cache = RadixCache(CacheConfig(radix_eviction_policy=policy))
-    cache.insert([1, 1], [0, 1])  # oldest
-    cache.insert([2, 2], [2, 3])
-    cache.match_prefix([2, 2])  # used once, before [1, 1] is used thrice
-    for _ in range(3):
-        cache.match_prefix([1, 1])  # [1, 1] becomes most recent and most used
-    cache.insert([3, 3], [4, 5])
-    first = cache.evict(1)
-    assert list(first) == {"lru": [2, 3], "lfu": [4, 5], "fifo": [0, 1]}[policy]
-
-
 def test_parent_becomes_evictable_leaf() -> None:
     cache = RadixCache()
     cache.insert([1, 2, 3], [0, 1, 2])
