@@ -119,6 +119,9 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str) -
             continue
         if "choices" in f.metadata:
             kw["choices"] = f.metadata["choices"]
+        if typing.get_origin(tp) is tuple:  # a list flag, as in sglang-router: --worker-urls A B C
+            tp = typing.get_args(tp)[0]
+            kw.update(nargs="*", metavar=f.metadata.get("metavar"))
         group.add_argument(flag, type=tp, **kw)
 
 

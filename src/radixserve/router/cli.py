@@ -22,9 +22,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         description="Route requests to the worker that already caches their prefix.",
     )
     add_dataclass_args(parser, RouterConfig, "router")
-    for action in parser._actions:
-        if action.dest == "worker_urls":  # a list flag, as in sglang-router: --worker-urls A B C
-            action.nargs, action.type, action.metavar = "*", str, "URL"
     parser.set_defaults(run=run)
     return parser
 

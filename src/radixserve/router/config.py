@@ -38,7 +38,9 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
 
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
-    worker_urls: tuple[str, ...] = _f((), "workers to route to at start (more can be added later)")
+    worker_urls: tuple[str, ...] = _f(
+        (), "workers to route to at start (more can be added later)", metavar="URL"
+    )
     policy: str = _f("cache_aware", "routing policy", choices=tuple(sorted(POLICIES)))
     host: str = _f("127.0.0.1", "address to listen on")
     port: int = _f(30000, "port to listen on")

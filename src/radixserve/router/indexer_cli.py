@@ -22,7 +22,9 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
 
 @dataclass(frozen=True, slots=True)
 class IndexerConfig:
-    worker_urls: tuple[str, ...] = _f((), "workers to follow at start (more can be added later)")
+    worker_urls: tuple[str, ...] = _f(
+        (), "workers to follow at start (more can be added later)", metavar="URL"
+    )
     redis: str = _f(
         "redis://127.0.0.1:6379/0", "the Redis that routers read (redis://host:port/db)"
     )
@@ -53,9 +55,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "holds which prompt block, for `radixserve route --kv-index redis://...` replicas.",
     )
     add_dataclass_args(parser, IndexerConfig, "kv-indexer")
-    for action in parser._actions:
-        if action.dest == "worker_urls":
-            action.nargs, action.type, action.metavar = "*", str, "URL"
     parser.set_defaults(run=run)
     return parser
 
