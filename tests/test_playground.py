@@ -92,6 +92,10 @@ def test_unbounded_wait_equals_sim_none(playground, tmp_path):
     page = json.loads(playground.call("POST", "/api/compare", settings)[1])["results"][0]
     cli = sim_cli(settings, tmp_path)["results"][0]
     assert (page["hit_rate"], page["wait_p99_s"]) == (cli["hit_rate"], cli["wait_s"]["p99"])
+    # the bound changes this run, so the equality above says None reached both as "unbounded"
+    bounded = {**settings, "max_wait_ms": SETTINGS["max_wait_ms"]}
+    other = json.loads(playground.call("POST", "/api/compare", bounded)[1])["results"][0]
+    assert (other["hit_rate"], other["wait_p99_s"]) != (page["hit_rate"], page["wait_p99_s"])
 
 
 def ndjson(data: bytes) -> list[dict]:
