@@ -122,7 +122,7 @@ class BlockTracker:
         carry = self._tail(parent, start % self.block_size)
         tokens = carry + node.key[: last * self.block_size - start].tolist()
         prev, namespace = self._parent_state(parent)
-        states = self._hash_blocks(prev, tokens)
+        states = self._algo.chain(prev, tokens, self.block_size, self.hash_seed)
         self._blocks[node] = states
         self.num_blocks += len(states)
         self.pending.append(self._stored(states, prev, tokens, namespace, first == 0))
@@ -190,14 +190,6 @@ class BlockTracker:
             if root is ns_root:
                 return ns
         raise AssertionError("a node outside every namespace")
-
-    def _hash_blocks(self, prev: Any, tokens: list[int]) -> list[Any]:
-        size, step, seed = self.block_size, self._algo.step, self.hash_seed
-        out = []
-        for i in range(0, len(tokens), size):
-            prev = step(prev, tokens[i : i + size], seed)
-            out.append(prev)
-        return out
 
     def _stored(
         self, states: list[Any], prev: Any, tokens: list[int], namespace: Hashable | None,

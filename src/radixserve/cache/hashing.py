@@ -80,6 +80,21 @@ class _Algo:
     step: Callable[[Any, Sequence[int], int], Any]
     out: Callable[[Any], HashValue]
 
+    def chain(
+        self, prev: Any, token_ids: Sequence[int], block_size: int, seed: int, partial: bool = False
+    ) -> list[Any]:
+        """Chain states of the whole blocks of ``token_ids`` (and of the partial last one when
+        ``partial``) that follow the state ``prev``: the one loop the engine's KV events, the
+        router's keys and ``block_hashes`` share."""
+        step, whole = self.step, len(token_ids) - len(token_ids) % block_size
+        out = []
+        for start in range(0, whole, block_size):
+            prev = step(prev, token_ids[start : start + block_size], seed)
+            out.append(prev)
+        if partial and whole < len(token_ids):
+            out.append(step(prev, token_ids[whole:], seed))
+        return out
+
 
 ALGORITHMS: dict[str, _Algo] = {
     "sha256": _Algo(_sha256_root, _sha256_step, bytes.hex),
@@ -103,10 +118,5 @@ def block_hashes(
     algo = ALGORITHMS.get(algorithm)
     if algo is None:
         raise ValueError(f"unknown hash algorithm {algorithm!r}; choose from {sorted(ALGORITHMS)}")
-    prev = algo.root(namespace or "", seed)
-    end = len(token_ids) if hash_partial else len(token_ids) - len(token_ids) % block_size
-    out: list[HashValue] = []
-    for start in range(0, end, block_size):
-        prev = algo.step(prev, token_ids[start : min(start + block_size, end)], seed)
-        out.append(algo.out(prev))
-    return out
+    states = algo.chain(algo.root(namespace or "", seed), token_ids, block_size, seed, hash_partial)
+    return [algo.out(s) for s in states]

@@ -56,11 +56,7 @@ def chain_keys(
 ) -> list[BlockKey]:
     """Keys of consecutive whole blocks that follow `parent` (None: the namespace's root)."""
     prev = _ALGO.root(namespace, KEY_SEED) if parent is None else parent
-    out = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        prev = _ALGO.step(prev, token_ids[start : start + block_size], KEY_SEED)
-        out.append(prev)
-    return out
+    return _ALGO.chain(prev, token_ids, block_size, KEY_SEED)
 
 
 @dataclass(slots=True)
