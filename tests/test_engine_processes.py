@@ -107,6 +107,19 @@ def test_bad_requests_get_clear_errors_and_the_engine_goes_on(engine):
     assert engine.generate(PROMPTS[0], GREEDY)["meta_info"]["completion_tokens"] == 12
 
 
+def test_scheduler_settings_change_while_the_engine_runs(engine):
+    """README's `engine.update_scheduler_settings(...)`: the scheduler process takes the new
+    settings, refuses what cannot change (changing nothing) and goes on serving."""
+    got = engine.update_scheduler_settings(schedule_policy="fcfs", max_wait_ms=500)
+    assert (got["schedule_policy"], got["max_wait_ms"]) == ("fcfs", 500)
+    with pytest.raises(ValueError, match="cannot change page_size"):
+        engine.update_scheduler_settings(page_size=4, schedule_policy="lof")
+    assert engine.update_scheduler_settings()["schedule_policy"] == "fcfs"  # no change: reads
+    restored = engine.update_scheduler_settings(schedule_policy="lpm", max_wait_ms=1000.0)
+    assert (restored["schedule_policy"], restored["max_wait_ms"]) == ("lpm", 1000.0)
+    assert engine.generate(PROMPTS[0], GREEDY)["meta_info"]["completion_tokens"] == 12
+
+
 def test_dead_scheduler_fails_callers_and_shutdown_leaves_no_process(model_dir):
     eng = Engine(model=str(model_dir), max_total_tokens=1024)
     pids = [p.pid for p in eng.procs.procs]
