@@ -171,6 +171,8 @@ def test_add_and_remove_workers_at_run_time(workers, make_router):
     status, added = call("POST", r.addr, "/workers", {"url": workers[1].url})
     assert status == 201 and added["url"] == workers[1].url
     assert call("POST", r.addr, "/workers", {"url": workers[1].url})[0] == 409
+    status, body = call("POST", r.addr, "/workers", {"url": workers[2].url, "api_key": "k"})
+    assert status == 400 and "api_key" in body["error"]["message"]  # refused, not ignored
     served = {generate(r.addr, f"p{i}")[1]["meta_info"]["worker"] for i in range(4)}
     assert served == {"fw0", "fw1"}
     assert call("DELETE", r.addr, f"/workers/{added['id']}")[0] == 200

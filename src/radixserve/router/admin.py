@@ -53,7 +53,13 @@ class Endpoints:
     async def add_worker(self: Router, req: Request) -> tuple[int, object]:
         """Register a worker; it takes traffic once its first health probe passes (and, with
         kv_aware, once its tokenizer is checked and its KV events subscribed to)."""
-        url = _query(req, "url") or (_json(req).get("url") if req.body else None)
+        body = _json(req) if req.body else {}
+        unknown = sorted(set(body) - {"url"})
+        if unknown:  # nothing a client sets is silently ignored
+            return 400, error_body(
+                400, f"unknown field(s) {', '.join(unknown)}: only url is accepted"
+            )
+        url = _query(req, "url") or body.get("url")
         if not isinstance(url, str) or not url:
             return 400, error_body(400, 'give the worker as ?url= or a JSON body {"url": ...}')
         try:
