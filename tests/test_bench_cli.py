@@ -101,6 +101,12 @@ def test_unreachable_server_fails_every_request(capsys: pytest.CaptureFixture[st
     assert "0/8 completed, 8 failed" in capsys.readouterr().out
 
 
+def test_a_base_url_without_a_scheme_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--base-url", "127.0.0.1:8000", *small()]) == 2
+    err = capsys.readouterr().err
+    assert "--base-url must be an http:// or https:// URL" in err and "Traceback" not in err
+
+
 def test_cached_tokens_are_read_from_openai_usage_and_sglang_meta_info() -> None:
     usage = {"prompt_tokens": 100, "completion_tokens": 5}
     usage["prompt_tokens_details"] = {"cached_tokens": 64}  # type: ignore[assignment]

@@ -275,7 +275,8 @@ def test_workers_added_removed_and_killed_leave_redis(fleet):
     fleet["procs"].append(extra)
     generate(extra.url, prompt(31))  # cached before the indexer follows it: the snapshot has it
     assert indexer.call("POST", "/workers", {"url": extra.url})[0] == 201
-    assert indexer.call("POST", "/workers", {"url": extra.url})[0] == 409
+    status, body = indexer.call("POST", "/workers", {"url": extra.url})
+    assert status == 409 and body["error"]["code"] == "conflict"  # a string, as the router's
     assert indexer.call("POST", "/workers", {"url": extra.url, "x": 1})[0] == 400
     wait_for(lambda: extra.url in redis_holders(fleet, prompt(31)), what="snapshot resync")
     assert indexer.call("DELETE", "/workers/" + extra.url)[0] == 200

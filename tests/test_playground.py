@@ -157,6 +157,7 @@ def test_bad_settings_are_refused_by_name(playground, body, param):
         status, data = playground.call("POST", path, body)
         err = json.loads(data)["error"]
         assert status == 400 and err["param"] == param and err["type"] == "invalid_request_error"
+        assert err["code"] == "bad_request"  # a string, as the server's and the router's
         assert param in err["message"] or param == "body"
     assert playground.call("POST", "/api/compare", {})[0] == 200  # still up
 

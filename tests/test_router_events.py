@@ -179,6 +179,20 @@ def test_a_restarted_publisher_loses_its_stale_entries():
     run(scenario)
 
 
+def test_a_dead_publisher_loses_its_entries():
+    async def scenario(pub, index, sub):
+        await settle(pub, sub, pub.send([tagged(foreign(4), None, PROMPT)]))
+        assert held(index) == 4 * BS
+        pub.pub.close(0)  # the worker died: its PUB connection drops, nothing more is said
+        for _ in range(500):
+            if held(index) is None:
+                break
+            await asyncio.sleep(0.01)
+        assert held(index) is None
+
+    run(scenario)
+
+
 def test_endpoints_from_server_info_replace_the_wildcard_host():
     info = {"kv_events": {"publisher": "zmq", "endpoint": "tcp://*:5557",
                           "replay_endpoint": "tcp://*:5558", "topic": "kv"}}  # fmt: skip

@@ -174,3 +174,14 @@ def test_sim_vocab_size_sets_the_simulated_vocabulary(capsys):
         server.stop()
     assert main(["serve", "--sim-vocab-size", "5000"]) == 2
     assert "--sim-vocab-size needs --sim" in capsys.readouterr().err
+
+
+def test_an_unknown_sim_preset_is_one_line(capsys):
+    """`serve --sim NAME` with no such preset: exit 2 with the known names, before any process
+    starts (it used to print the scheduler process's traceback)."""
+    from radixserve.cli import main
+
+    assert main(["serve", "--sim", "no-such-gpu"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown cost model 'no-such-gpu'" in err and "tiny-cpu" in err
+    assert "Traceback" not in err

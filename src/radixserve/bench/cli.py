@@ -66,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError("--max-concurrency must be >= 1")
+    if not args.base_url.startswith(("http://", "https://")):  # else every request fails alike
+        raise ValueError(f"--base-url must be an http:// or https:// URL, got {args.base_url!r}")
     workload, requests = make_requests(args)
     best = ideal_prefix_hit_rate(requests)
     mode = (

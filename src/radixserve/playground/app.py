@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,8 @@ STATIC = Path(__file__).with_name("static")
 def error(status: int, message: str, param: str | None = None) -> JSONResponse:
     """OpenAI-style error body."""
     kind = "invalid_request_error" if status < 500 else "server_error"
-    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    code = HTTPStatus(status).phrase.lower().replace(" ", "_")  # a string, as the server's
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return JSONResponse(body, status_code=status)
 
 

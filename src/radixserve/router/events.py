@@ -11,8 +11,8 @@ PrefixIndex; EventPlane starts and stops them as workers come and go and reports
 # router expecting hits a worker cannot serve, so every way of losing events ends in dropping
 # the worker's entries until fresh events arrive: a gap the replay buffer no longer covers, a
 # malformed batch, seq going back (the publisher restarted: its cache is empty), the PUB
-# connection dropping and coming back (rebuilt from the replay buffer: a restart can go unseen
-# by seq alone), the worker removed or failing health checks. A
+# connection dropping (a dead worker: dropped at once) and coming back (rebuilt from the replay
+# buffer: a restart can go unseen by seq alone), the worker removed. A
 # missed BlockStored is harmless (an underestimate), so at subscription the history is replayed
 # from seq 0 as far as the buffer reaches (batches published meanwhile, arriving twice, are
 # skipped), and older blocks stay unknown.
@@ -171,7 +171,11 @@ class EventSubscriber:
         batch of it arrived). Either way its replay buffer is the truth: start over from it."""
         event = zmq.utils.monitor.parse_monitor_message(frames)["event"]
         if event == zmq.EVENT_DISCONNECTED:
+            # dead or restarting: what it held is gone or unknowable until it is back
             self._disconnected = True
+            if self.last_seq is not None:
+                log.info("%s: event stream disconnected; dropping its entries", self.worker)
+                self.index.drop_worker(self.worker)
         elif event == zmq.EVENT_CONNECTED and self._disconnected:
             self._disconnected = False
             self.stats.reconnects += 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hmac
 import json
+from http import HTTPStatus
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -14,13 +15,18 @@ from radixserve.router.indexer import Indexer
 from radixserve.router.indexer_metrics import metric_lines
 
 
+def _code(status: int) -> str:
+    """The error `code` as a short string, as the router's and the server's ("not_found")."""
+    return HTTPStatus(status).phrase.lower().replace(" ", "_").replace("-", "_")
+
+
 def admin_app(indexer: Indexer, admin_api_key: str | None) -> FastAPI:
     """Health, metrics and worker management, in the router's shapes."""
     app = FastAPI(title="radixserve kv-indexer", openapi_url=None)
 
     def error(status: int, message: str) -> JSONResponse:
         kind = "invalid_request_error" if status < 500 else "server_error"
-        body = {"error": {"message": message, "type": kind, "code": status}}
+        body = {"error": {"message": message, "type": kind, "code": _code(status)}}
         return JSONResponse(body, status_code=status)
 
     def denied(request: Request) -> JSONResponse | None:

@@ -44,6 +44,10 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.sim_vocab_size != 32000 and self.sim is None:  # refused, not silently ignored
             raise ValueError("--sim-vocab-size needs --sim (a real model has its own vocabulary)")
+        if self.sim is not None:  # an unknown preset: one line here, not a scheduler traceback
+            from radixserve.sim.costmodel import get_cost_model
+
+            get_cost_model(self.sim)
         if self.sim_vocab_size < 3:
             raise ValueError(f"sim_vocab_size must be >= 3, got {self.sim_vocab_size}")
         if not 0 <= self.port < 65536:
