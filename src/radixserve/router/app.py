@@ -194,6 +194,7 @@ class Router:
         # kv_aware: an index fed by the workers' KV events, prompts tokenized as they do
         has_index = getattr(self.policy, "index", None) is not None
         self.kv = KvRouting(self.policy, config.tokenizer) if has_index else None
+        self.registry.poll_loads = has_index  # kv_aware reconciles pending prefill with them
         self.retries, self.failed = 0, {502: 0, 503: 0}
         self.decisions = [0] * (len(BUCKETS) + 1)
         self.decision_sum = 0.0
@@ -415,12 +416,15 @@ class Router:
         }
 
     async def get_loads(self, req: Request) -> tuple[int, object]:
-        return 200, {
-            "workers": [
-                {"id": w.id, "url": w.url, "load": w.load, "healthy": w.healthy}
-                for w in self.registry.workers
-            ]
-        }
+        now, pending = time.monotonic(), getattr(self.policy, "pending", None)
+        rows = []
+        for w in self.registry.workers:
+            row = {"id": w.id, "url": w.url, "load": w.load, "healthy": w.healthy}
+            if pending is not None:  # kv_aware: prefill the worker reported, and the total
+                row["reported_prefill_tokens"] = w.prefill_tokens
+                row["pending_prefill_tokens"] = pending(w.view(now))
+            rows.append(row)
+        return 200, {"workers": rows}
 
     async def list_workers(self, req: Request) -> tuple[int, object]:
         workers = self.registry.workers

@@ -22,8 +22,9 @@ Registered as `--policy kv_aware`; pure (no I/O, no clock)."""
 #             prefill tokens (WorkerView.prefill_tokens, stamped reported_at), the report
 #             replaces every dispatch made up to that moment; later dispatches add to it. A
 #             burst therefore spreads at once instead of piling onto one worker until a poll.
-#             The simulator reports exactly; the HTTP proxy does not poll workers for it yet,
-#             so there a dispatch counts until the request completes (an overestimate that
+#             The simulator reports exactly; the HTTP router reads each worker's /get_loads
+#             (waiting_prefill_tokens) after every health probe. A worker that does not report
+#             it has each dispatch counted until the request completes (an overestimate that
 #             lasts the request's decode).
 #
 # Both terms are tokens of prefill work. Llumnix adds them as they are (a hit worth exactly the
@@ -131,8 +132,11 @@ class KvAwarePolicy(RouterPolicy):
 
     def pending(self, worker: WorkerView) -> int:
         """Prefill tokens `worker` has yet to compute, as far as the router knows."""
-        mine = sum(n for _, n in self._pending.get(worker.id, {}).values())
-        return mine + (worker.prefill_tokens or 0)
+        records = self._pending.get(worker.id, {}).values()
+        if worker.prefill_tokens is None:
+            return sum(n for _, n in records)
+        later = sum(n for t, n in records if t > worker.reported_at)  # not in the report
+        return later + worker.prefill_tokens
 
     def cached_tokens(
         self, workers: Sequence[WorkerView], request: RequestView
