@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from radixserve.router.event_format import BlockRemoved, BlockStored, namespace_string
-from radixserve.router.kv_aware import KvAwarePolicy
+from radixserve.router.kv_aware import PENDING_WEIGHT, KvAwarePolicy
 from radixserve.router.policies import CachePolicyConfig, RequestView, WorkerView, create_policy
 
 BS = 16
@@ -61,18 +61,34 @@ def test_pending_prefill_spreads_a_burst_of_new_prompts():
     assert sorted(picks) == [0, 0, 1, 1, 2, 2]
 
 
-def test_a_hit_is_worth_exactly_the_prefill_it_saves():
+def test_a_hit_outweighs_queued_prefill_up_to_the_pending_weight():
     policy = KvAwarePolicy()
     hold(policy, "w0", SHARED)
-    # w0 already has 7 blocks of someone else's prefill queued: 112 tokens, versus the 128 a
-    # miss costs elsewhere, so the hit still wins; at 9 blocks queued it no longer does.
+    # The hit saves 128 prefill tokens; each queued token weighs PENDING_WEIGHT (1/4): w0 with
+    # 31 blocks (496 tokens, 124 weighted) queued still wins, with 33 (528, 132) it does not.
+    assert PENDING_WEIGHT == 0.25
     workers = fleet(2)
-    busy = view([5] * 7 * BS)
+    busy = view([5] * 31 * BS)
     policy.on_dispatch("w0", busy, 0.0)
     assert policy.select(workers, view(SHARED), 0.0) == 0
     policy.on_complete("w0", busy, 0.0)
-    policy.on_dispatch("w0", view([6] * 9 * BS), 0.0)
+    policy.on_dispatch("w0", view([6] * 33 * BS), 0.0)
     assert policy.select(workers, view(SHARED), 0.0) == 1
+
+
+def test_in_flight_prompts_count_as_held_until_they_complete():
+    # No events yet (the first request's prefill is still queued), but a second request with
+    # the same prefix will hit behind it: it follows, and stops expecting that once the first
+    # completes without the worker announcing the blocks (it evicted them).
+    policy = KvAwarePolicy()
+    workers = fleet(3)
+    hold(policy, "w1", [9] * BS)  # the index knows w1's block size
+    first = view(SHARED + [1] * BS)
+    policy.on_dispatch("w1", first, 0.0)
+    assert policy.cached_tokens(workers, view(SHARED))["w1"] == 8 * BS
+    assert policy.select(workers, view(SHARED + [2] * BS), 0.0) == 1
+    policy.on_complete("w1", first, 1.0)
+    assert policy.cached_tokens(workers, view(SHARED))["w1"] == 0
 
 
 def test_worker_reports_replace_dispatches_up_to_the_report():

@@ -171,3 +171,33 @@ def test_kv_events_of_workers_behind_an_api_key(procs):
     procs.append(router)
     generate(router, prompt("keyed"))
     wait_for(lambda: blocks(router, w.url) >= WORDS // 16, "the worker's blocks indexed")
+
+
+def test_pending_prefill_is_reconciled_with_what_workers_report(procs):
+    # Workers report their waiting prefill tokens in /get_loads; the router polls them after
+    # each health probe, and a dispatch the report covers stops counting as pending, so a
+    # request in its decode phase no longer weighs on its worker as unfinished prefill.
+    workers = [worker() for _ in range(2)]
+    procs.extend(workers)
+    idle = workers[0].get("/get_loads").json()
+    assert idle["waiting_prefill_tokens"] == 0 and idle["num_waiting"] == 0
+    router = RouterProc([w.url for w in workers], "--policy", "kv_aware",
+                        "--health-check-interval-secs", "0.1")  # fmt: skip
+    procs.append(router)
+
+    def rows() -> dict[str, dict]:
+        return {w["url"]: w for w in router.call("GET", "/get_loads")[1]["workers"]}
+
+    wait_for(lambda: all(r["reported_prefill_tokens"] == 0 for r in rows().values()), "reports")
+    body = {"text": prompt("long"), "stream": True,
+            "sampling_params": {"max_new_tokens": 800, "ignore_eos": True}}  # fmt: skip
+    conn = http.client.HTTPConnection(router.addr, timeout=60)
+    conn.request("POST", "/generate", json.dumps(body))
+    resp = conn.getresponse()
+    assert resp.status == 200
+    resp.readline()  # the first token is out: the prompt is prefilled, decode goes on
+    [busy] = [r for r in rows().values() if r["load"] == 1]
+    # counted at dispatch (a hit on nothing: the whole prompt), until a report covers it
+    wait_for(lambda: rows()[busy["url"]]["pending_prefill_tokens"] == 0, "reconciliation")
+    assert rows()[busy["url"]]["load"] == 1  # still decoding
+    conn.close()

@@ -242,3 +242,21 @@ def test_priority_preemption_resumes_exactly() -> None:
     for r in [*low, high]:
         assert r.output_ids == reference(r.input_ids, r.sampling.max_new_tokens)
     assert max(r.num_retractions for r in low) == 1 and len(outs) == 3
+
+
+def test_stats_count_the_prefill_tokens_still_to_compute() -> None:
+    # what a worker reports in /get_loads for a kv_aware router: waiting prompts beyond their
+    # cached match, plus what is left of the chunked one; decoding requests count nothing
+    rng = random.Random(9)
+    sched, runner = make(chunked_prefill_size=64), KVRunner(4096)
+    first, second = make_req("a", tokens(rng, 200), 3), make_req("b", tokens(rng, 100), 3)
+    sched.add_request(first)
+    sched.add_request(second)
+    assert sched.stats().waiting_prefill_tokens == 300
+    batch = sched.step()  # one 64-token chunk of the first
+    sched.on_output(batch, runner.run(batch))
+    assert sched.stats().waiting_prefill_tokens == 300 - 64
+    while sched.stats().num_waiting or sched.running.chunked is not None:
+        batch = sched.step()
+        sched.on_output(batch, runner.run(batch))
+    assert sched.stats().waiting_prefill_tokens == 0

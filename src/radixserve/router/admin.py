@@ -39,12 +39,15 @@ class Endpoints:
         }
 
     async def get_loads(self: Router, req: Request) -> tuple[int, object]:
-        return 200, {
-            "workers": [
-                {"id": w.id, "url": w.url, "load": w.load, "healthy": w.healthy}
-                for w in self.registry.workers
-            ]
-        }
+        now, pending = time.monotonic(), getattr(self.policy, "pending", None)
+        rows = []
+        for w in self.registry.workers:
+            row = {"id": w.id, "url": w.url, "load": w.load, "healthy": w.healthy}
+            if pending is not None:  # kv_aware: prefill the worker reported, and the total
+                row["reported_prefill_tokens"] = w.prefill_tokens
+                row["pending_prefill_tokens"] = pending(w.view(now))
+            rows.append(row)
+        return 200, {"workers": rows}
 
     async def list_workers(self: Router, req: Request) -> tuple[int, object]:
         workers = self.registry.workers

@@ -67,6 +67,7 @@ class Router(Endpoints):
         has_index = getattr(self.policy, "index", None) is not None
         subscribe = self.kvs is None  # on Redis, the kv-indexer follows the events
         self.kv = KvRouting(self.policy, config.tokenizer, subscribe) if has_index else None
+        self.registry.poll_loads = has_index  # kv_aware reconciles pending prefill with them
         self._admitting: set[asyncio.Task[bool]] = set()
         self.retries, self.failed = 0, {502: 0, 503: 0, 504: 0}
         self.decisions = [0] * (len(BUCKETS) + 1)

@@ -77,11 +77,15 @@ class Worker:
     probe_failures: int = 0
     probe_successes: int = 0
     addrs: frozenset[tuple[str, int]] = frozenset()
+    prefill_tokens: int | None = None  # waiting prefill the worker reported (polled loads)
+    reported_at: float = float("-inf")  # when that report was asked for (monotonic)
     counts: dict[str, int] = field(default_factory=lambda: {"requests": 0, "errors": 0})
 
     def view(self, now: float) -> WorkerView:
         routable = self.healthy and (self.breaker.state == "closed" or self.breaker.allows(now))
-        return WorkerView(self.id, self.load, routable, self.queued_units)
+        return WorkerView(
+            self.id, self.load, routable, self.queued_units, self.prefill_tokens, self.reported_at
+        )
 
     def info(self) -> dict[str, object]:
         return {
@@ -133,6 +137,7 @@ class WorkerRegistry:
         self._ids = itertools.count(1)
         self._task: asyncio.Task[None] | None = None
         self.overloaded: frozenset[str] = frozenset()  # ids past an overload threshold
+        self.poll_loads = False  # also read each worker's /get_loads after a good probe
 
     def add(
         self, url: str, addrs: frozenset[tuple[str, int]] = frozenset(), healthy: bool = True
@@ -240,7 +245,24 @@ class WorkerRegistry:
             )
         except (UpstreamError, OSError, asyncio.TimeoutError):
             return False
+        if resp.status == 200 and self.poll_loads:
+            await self.poll_load(worker)
         return resp.status == 200
+
+    async def poll_load(self, worker: Worker) -> None:
+        """Read the prefill tokens `worker` has waiting from its /get_loads. The report is
+        stamped with the time it was asked for: dispatches made before then are in it. A worker
+        that does not report (another engine, an error) keeps the router's own count alone."""
+        asked = time.monotonic()
+        try:
+            resp = await worker.pool.request("GET", "/get_loads", timeout=self.health.timeout_secs)
+            tokens = (
+                json.loads(resp.body).get("waiting_prefill_tokens") if resp.status == 200 else None
+            )
+        except (UpstreamError, OSError, ValueError, AttributeError):
+            tokens = None
+        ok = isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0
+        worker.prefill_tokens, worker.reported_at = (tokens, asked) if ok else (None, float("-inf"))
 
     def _record_probe(self, worker: Worker, ok: bool) -> None:
         h = self.health

@@ -45,6 +45,8 @@ class SchedulerStats:
     num_aborted: int
     num_retracted: int  # retractions for KV (and preemptions for priority) so far
     new_token_ratio: float
+    # prompt tokens queued or mid-chunk and not yet computed (a kv_aware router reads them)
+    waiting_prefill_tokens: int = 0
 
 
 def _entry(req: Req, tokens: list[int], start: int, slots: list[int], prefill: bool) -> BatchEntry:
@@ -431,7 +433,19 @@ class Scheduler:
             num_aborted=n["aborted"],
             num_retracted=n["retracted"],
             new_token_ratio=self.running.ratio,
+            waiting_prefill_tokens=self.waiting_prefill_tokens(),
         )
+
+    def waiting_prefill_tokens(self) -> int:
+        """Tokens still to prefill: waiting requests beyond their cached match, plus what
+        is left of the request being prefilled in chunks."""
+        left = sum(
+            r.fill_len - max(r.kv_len, r.match_len)
+            for r in self._reqs.values()
+            if r.state is ReqState.WAITING
+        )
+        chunked = self.running.chunked
+        return left + (chunked.fill_len - chunked.kv_len if chunked is not None else 0)
 
     # -- settings changed at run time ----------------------------------------------------------
     def update_settings(self, **changes: object) -> SchedulerConfig:

@@ -124,6 +124,15 @@ def _open_routes(state: ServerState) -> APIRouter:
             raise ApiError(503, f"the engine cannot generate: {e!r}", "engine_unavailable") from e
         return Response(status_code=200)
 
+    @router.get("/get_loads")
+    async def loads() -> dict[str, Any]:
+        """What a router balances on: requests running and waiting, prefill tokens left."""
+        stats = await _stats(state)
+        if stats is None:
+            raise ApiError(503, "the engine did not answer", "engine_unavailable")
+        keys = ("num_running", "num_waiting", "waiting_prefill_tokens", "kv_usage")
+        return {k: stats.get(k) for k in keys}
+
     @router.get("/metrics")
     async def metrics() -> Response:
         state.metrics.set_engine(await _stats(state))
