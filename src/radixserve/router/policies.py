@@ -32,7 +32,7 @@ class CachePolicyConfig:
     # worker, up to 2M tokens of prompts, as much as the KV cache of a typical GPU worker.
     max_tree_size: int = 2**20
     # Not in sglang-router: see CacheAwarePolicy (step 3); float("inf") turns it off.
-    share_slack: float = 0.05
+    share_slack: float = 0.03
     # kv_aware (kv_aware.py): prompts shorter than this are placed by load alone (Llumnix's flag).
     cache_aware_scheduling_min_tokens: int = 16
     # Not in sglang-router: a joining worker's cap on new prefixes ramps up over this (warmup.py).
