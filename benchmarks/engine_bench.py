@@ -22,8 +22,8 @@ import torch
 from _machine import machine_line
 from radixserve.config import ModelConfig
 from radixserve.engine.engine import Engine
-from radixserve.model.loader import load_info, resolve_model_dir
 from radixserve.model.runner import default_num_threads
+from radixserve.modelfiles.locate import load_info, resolve_model_dir
 
 SYSTEM_TOKENS, QUESTION_TOKENS, NUM_REQUESTS, OUTPUT_TOKENS = 512, 32, 32, 16
 SYSTEM_TEXT = (

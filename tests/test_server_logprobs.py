@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 openai = pytest.importorskip("openai")
 
-from radixserve.model.tokenizer import load_model_info  # noqa: E402
+from radixserve.modelfiles.tokenizer import load_model_info  # noqa: E402
 from server_harness import assert_error_body  # noqa: E402
 
 PROMPT = "the capital of france is paris and the capital of italy"

@@ -54,7 +54,7 @@ class EngineConfig:
     def tokenizer_spec(self) -> TokenizerSpec:
         if self.sim is not None:
             return TokenizerSpec("sim", None, self.model.context_length, self.sim_vocab_size)
-        from radixserve.model.loader import resolve_model_dir
+        from radixserve.modelfiles.locate import resolve_model_dir
 
         return TokenizerSpec("hf", str(resolve_model_dir(self.model)), self.model.context_length)
 

@@ -19,7 +19,7 @@ class TokenizerSpec:
             from radixserve.sim.tokenizer import SimTokenizer
 
             return SimTokenizer(self.vocab_size, self.context_length or 131072)
-        from radixserve.model.tokenizer import load_model_info
+        from radixserve.modelfiles.tokenizer import load_model_info
 
         assert self.model_dir is not None
         return load_model_info(self.model_dir, self.context_length)

@@ -16,11 +16,12 @@ from radixserve.model.attention import StepPlan, build_plan
 from radixserve.model.grammar import Grammars
 from radixserve.model.kv_pool import KVPool
 from radixserve.model.llama import LlamaModel
-from radixserve.model.loader import load_weights, resolve_model_dir
+from radixserve.model.loader import load_weights
 from radixserve.model.logits_process import process_logits
 from radixserve.model.logprobs import prompt_logprobs, sampled_logprobs
 from radixserve.model.sampler import Sampler
-from radixserve.model.tokenizer import ModelInfo, load_model_info
+from radixserve.modelfiles.locate import resolve_model_dir
+from radixserve.modelfiles.tokenizer import ModelInfo, load_model_info
 from radixserve.sched.batch import Batch, BatchEntry, EntryLogprobs, StepResult
 from radixserve.sched.request import SamplingParams
 

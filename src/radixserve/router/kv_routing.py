@@ -41,8 +41,8 @@ def load_tokenizer(path: str, vocab_size: int | None = None) -> Tokenizer:
 
         return SimTokenizer(vocab_size or 32000)
     from radixserve.config import ModelConfig
-    from radixserve.model.loader import resolve_model_dir
-    from radixserve.model.tokenizer import load_model_info
+    from radixserve.modelfiles.locate import resolve_model_dir
+    from radixserve.modelfiles.tokenizer import load_model_info
 
     model = None if path.startswith("built-in:") else path
     return load_model_info(resolve_model_dir(ModelConfig(model=model)))
