@@ -55,7 +55,7 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable, Sequence
 
-from radixserve.router.index import InMemoryIndex, PrefixIndex, block_keys
+from radixserve.router.index import InMemoryIndex, PrefixIndex, block_keys, run_length
 from radixserve.router.keys import units
 from radixserve.router.policies import (
     CachePolicyConfig,
@@ -291,13 +291,7 @@ class InFlightBlocks:
 
     def run_length(self, worker: Hashable, keys: Sequence[int]) -> int:
         """Leading keys of `keys` some in-flight prompt on `worker` shares."""
-        counts = self._counts.get(worker, {})
-        n = 0
-        for k in keys:
-            if k not in counts:
-                break
-            n += 1
-        return n
+        return run_length(keys, self._counts.get(worker, {}))
 
 
 def prompt_size(request: RequestView) -> int:
