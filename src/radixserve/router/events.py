@@ -292,10 +292,13 @@ class EventPlane:
         old = self.subscribers.pop(worker, None)
         if old is not None:
             asyncio.get_running_loop().create_task(old.stop())
-        sub = self.subscribers[worker] = EventSubscriber(worker, endpoints, self.index, self.ctx)
+        sub = self.subscribers[worker] = self._subscriber(worker, endpoints)
         sub.start()
         log.info("subscribed to %s's KV events at %s", worker, endpoints.endpoint)
         return sub
+
+    def _subscriber(self, worker: WorkerId, endpoints: Endpoints) -> EventSubscriber:
+        return EventSubscriber(worker, endpoints, self.index, self.ctx)
 
     async def forget(self, worker: WorkerId) -> None:
         task = self._discovery.pop(worker, None)
