@@ -21,8 +21,9 @@ TOPIC = b"kv"
 
 
 class Publisher:
-    """vLLM's publisher contract: PUB [topic, seq, payload]; a ROUTER answering [start_seq]
-    with [topic, seq, payload] per buffered batch, then [b"", seq -1, b""]."""
+    """vLLM's publisher contract: PUB [topic, seq, payload]; a ROUTER answering
+    [b"", start_seq] with [b"", seq, payload] per buffered batch, then [b"", seq -1, b""], and
+    ignoring a request without the empty delimiter frame, as vLLM's does."""
 
     def __init__(self, buffer: int = 1000) -> None:
         self.ctx = zmq.Context()
@@ -62,12 +63,15 @@ class Publisher:
         while self.running:
             if not poller.poll(50):
                 continue
-            client, start = self.replay.recv_multipart()
+            frames = self.replay.recv_multipart()
+            if len(frames) != 3 or frames[1] != b"":
+                continue
+            client, _, start = frames
             first = int.from_bytes(start, "big")
             with self.lock:
                 batches = [(s, p) for s, p in self.buffer if s >= first]
             for seq, payload in batches:
-                self.replay.send_multipart([client, TOPIC, seq.to_bytes(8, "big"), payload])
+                self.replay.send_multipart([client, b"", seq.to_bytes(8, "big"), payload])
             self.replay.send_multipart([client, b"", (-1).to_bytes(8, "big", signed=True), b""])
 
     def close(self) -> None:

@@ -3,9 +3,10 @@ PUB stream, tracks ``seq``, recovers gaps through the worker's replay socket, an
 PrefixIndex; EventPlane starts and stops them as workers come and go and reports on /metrics."""
 
 # Wire contract (vLLM's; issue 12): PUB multipart [topic, seq as 8-byte big-endian, payload];
-# replay ROUTER: send [start_seq as 8-byte big-endian], get [topic, seq, payload] per buffered
-# batch from start_seq on, then [b"", seq -1, b""]. vLLM's own replay answers [seq, payload]
-# without the topic, so only the last two frames are read.
+# replay ROUTER: send [b"", start_seq as 8-byte big-endian] (the empty delimiter a REQ socket
+# adds: vLLM's and SGLang's publishers ignore a request without it), get [b"", seq, payload]
+# per buffered batch from start_seq on, then [b"", seq -1, b""]. Some publishers put the topic
+# before seq, so only the last two frames are read.
 #
 # What the index may believe is what this file protects. A missed BlockRemoved would leave the
 # router expecting hits a worker cannot serve, so every way of losing events ends in dropping
@@ -245,7 +246,7 @@ class EventSubscriber:
         sock.connect(self.endpoints.replay_endpoint)
         want = start
         try:
-            await sock.send(start.to_bytes(8, "big", signed=True))
+            await sock.send_multipart([b"", start.to_bytes(8, "big", signed=True)])
             while True:
                 frames = await asyncio.wait_for(sock.recv_multipart(), self.replay_timeout_secs)
                 seq = _seq(frames[-2]) if len(frames) >= 2 else END_SEQ
@@ -292,10 +293,13 @@ class EventPlane:
         old = self.subscribers.pop(worker, None)
         if old is not None:
             asyncio.get_running_loop().create_task(old.stop())
-        sub = self.subscribers[worker] = EventSubscriber(worker, endpoints, self.index, self.ctx)
+        sub = self.subscribers[worker] = self._subscriber(worker, endpoints)
         sub.start()
         log.info("subscribed to %s's KV events at %s", worker, endpoints.endpoint)
         return sub
+
+    def _subscriber(self, worker: WorkerId, endpoints: Endpoints) -> EventSubscriber:
+        return EventSubscriber(worker, endpoints, self.index, self.ctx)
 
     async def forget(self, worker: WorkerId) -> None:
         task = self._discovery.pop(worker, None)

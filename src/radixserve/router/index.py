@@ -26,7 +26,7 @@ block keys, and InMemoryIndex. Pure: no I/O, no clock, no threads."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Container, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from radixserve.cache.hashing import ALGORITHMS, block_hashes
@@ -49,6 +49,16 @@ _ALGO = ALGORITHMS[KEY_ALGORITHM]
 def block_keys(token_ids: Sequence[int], block_size: int, namespace: str = "") -> list[BlockKey]:
     """The router's keys of every whole block of a prompt: what prefix_tokens looks up."""
     return block_hashes(token_ids, block_size, KEY_ALGORITHM, KEY_SEED, namespace)
+
+
+def run_length(keys: Sequence[BlockKey], held: Container[BlockKey]) -> int:
+    """How many of `keys`, from the first, are all in `held` (a contiguous prefix)."""
+    n = 0
+    for key in keys:
+        if key not in held:
+            break
+        n += 1
+    return n
 
 
 def chain_keys(
@@ -133,14 +143,6 @@ class _Worker:
             del self.refs[key]
         return True
 
-    def run_length(self, keys: Sequence[BlockKey]) -> int:
-        refs, n = self.refs, 0
-        for key in keys:
-            if key not in refs:
-                break
-            n += 1
-        return n
-
 
 class InMemoryIndex(PrefixIndex):
     """The index in the router's own memory: a dict per worker (about 200 bytes per block;
@@ -178,7 +180,7 @@ class InMemoryIndex(PrefixIndex):
         for worker in workers:
             state = self._workers.get(worker)
             if state is not None:
-                out[worker] = state.run_length(keys_for(state.block_size)) * state.block_size
+                out[worker] = run_length(keys_for(state.block_size), state.refs) * state.block_size
         return out
 
     def blocks(self) -> dict[WorkerId, int]:

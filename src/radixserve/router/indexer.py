@@ -83,13 +83,8 @@ class IndexerPlane(EventPlane):
     def resyncs(self) -> int:
         return sum(getattr(s, "resyncs", 0) for s in self.subscribers.values())
 
-    def subscribe(self, worker: Hashable, endpoints: Endpoints) -> EventSubscriber:
-        old = self.subscribers.pop(worker, None)
-        if old is not None:
-            asyncio.get_running_loop().create_task(old.stop())
-        sub = self.subscribers[worker] = ResyncSubscriber(worker, endpoints, self)
-        sub.start()
-        return sub
+    def _subscriber(self, worker: Hashable, endpoints: Endpoints) -> EventSubscriber:
+        return ResyncSubscriber(worker, endpoints, self)
 
 
 async def fetch_snapshot(pool: ConnectionPool, timeout: float = 30.0) -> Snapshot | None:

@@ -85,6 +85,7 @@ async def serve(config: IndexerConfig) -> int:
     from radixserve.router.indexer_http import admin_app
     from radixserve.router.kvs_writer import RedisIndexWriter
     from radixserve.router.redis_index import RedisIndexStore
+    from radixserve.server.cli import bind
 
     client = aioredis.Redis.from_url(config.redis, socket_timeout=2.0, socket_connect_timeout=2.0)
     writer = RedisIndexWriter(RedisIndexStore(client, config.redis_prefix))
@@ -99,7 +100,7 @@ async def serve(config: IndexerConfig) -> int:
         return 1
     app = admin_app(indexer, config.admin_api_key)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    sock = _bind(config.host, config.port)
+    sock = bind(config.host, config.port)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
@@ -112,12 +113,3 @@ async def serve(config: IndexerConfig) -> int:
     await indexer.stop()
     await client.aclose()
     return 0
-
-
-def _bind(host: str, port: int) -> Any:
-    import socket
-
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    return sock

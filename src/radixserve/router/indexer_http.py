@@ -5,19 +5,14 @@ from __future__ import annotations
 
 import hmac
 import json
-from http import HTTPStatus
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+from radixserve.router.http import error_body
 from radixserve.router.indexer import Indexer
 from radixserve.router.indexer_metrics import metric_lines
-
-
-def _code(status: int) -> str:
-    """The error `code` as a short string, as the router's and the server's ("not_found")."""
-    return HTTPStatus(status).phrase.lower().replace(" ", "_").replace("-", "_")
 
 
 def admin_app(indexer: Indexer, admin_api_key: str | None) -> FastAPI:
@@ -25,9 +20,7 @@ def admin_app(indexer: Indexer, admin_api_key: str | None) -> FastAPI:
     app = FastAPI(title="radixserve kv-indexer", openapi_url=None)
 
     def error(status: int, message: str) -> JSONResponse:
-        kind = "invalid_request_error" if status < 500 else "server_error"
-        body = {"error": {"message": message, "type": kind, "code": _code(status)}}
-        return JSONResponse(body, status_code=status)
+        return JSONResponse(error_body(status, message), status_code=status)
 
     def denied(request: Request) -> JSONResponse | None:
         key = admin_api_key

@@ -40,10 +40,11 @@ Registered as `--policy kv_aware`; pure (no I/O, no clock)."""
 #   - A worker overloaded in sglang-router's sense (load - floor > balance_abs_threshold AND
 #     load > floor * balance_rel_threshold, in requests), or busier than the mean load by more
 #     than Poisson noise (mean + 2 * sqrt(mean) + 1), is skipped.
-#   - Spill, as cache_aware's step 3: a pick sent more than KV_SPILL_SLACK above its recent share
-#     of dispatches (and at least KV_SPILL_MIN_EXCESS more) yields to the least-sent worker.
-#     Its own slack, not cache_aware's share_slack: 5% measured best for kv_aware in the sweep
-#     (at cache_aware's 3% kv_aware lost 0.2-1.7 more points of hits on the Mooncake trace).
+#   - Spill, as cache_aware's step 3: a pick whose recent dispatches exceed the mean by more
+#     than KV_SPILL_SLACK of it and by more than KV_SPILL_MIN_EXCESS yields to the least-sent
+#     worker. Its own slack, not cache_aware's share_slack: 5% measured best for kv_aware in
+#     the sweep (at cache_aware's 3% kv_aware lost 0.2-1.7 more points of hits on the Mooncake
+#     trace).
 #   - A worker that published events once and is unknown now (its stream broke, it restarted)
 #     is expected to hold nothing, not scored from the tree: the tree is what went stale.
 #   - A request without token ids (the router could not tokenize it) is scored from the
@@ -54,7 +55,7 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable, Sequence
 
-from radixserve.router.index import InMemoryIndex, PrefixIndex, block_keys
+from radixserve.router.index import InMemoryIndex, PrefixIndex, block_keys, run_length
 from radixserve.router.keys import units
 from radixserve.router.policies import (
     CachePolicyConfig,
@@ -69,6 +70,11 @@ from radixserve.router.tree import NODE_UNITS, MultiTenantTree
 
 _Record = tuple[float, int]  # (dispatched at, uncached tokens)
 KV_SPILL_MIN_EXCESS = 4
+"""Recent dispatches above the mean at or below which kv_aware never spills (cache_aware's
+SPILL_MIN_EXCESS is 36). Its score already spreads new prefixes by prefill work, so a spill
+here only corrects sticky sessions piling up; on 8 engines of multi-turn chat 4 kept the
+busiest engine within 1.03x the mean busy time where 36 left it at 1.13x, at no cost in hit
+rate."""
 KV_SPILL_SLACK = 0.05
 PENDING_WEIGHT = 0.25
 """What one queued prefill token weighs against one uncached prompt token. A miss costs more
@@ -77,10 +83,6 @@ Simulated (8 engines, Mooncake trace, half the KV pool): 1 lost 1.8 points of hi
 cache_aware, 0.25 lost 0.7 at the same TTFT p99; 0 (affinity alone) raised TTFT p99 by 17%."""
 INFLIGHT_BLOCK = 16
 """Block size for in-flight prompts on a worker whose events have not told one yet."""
-"""Recent dispatches above the mean below which kv_aware never spills (cache_aware waits for
-36). Its score already spreads new prefixes by prefill work, so a spill here only corrects
-sticky sessions piling up; on 8 engines of multi-turn chat 4 kept the busiest engine within
-1.03x the mean busy time where 36 left it at 1.13x, at no cost in hit rate."""
 
 
 @register("kv_aware")
@@ -289,13 +291,7 @@ class InFlightBlocks:
 
     def run_length(self, worker: Hashable, keys: Sequence[int]) -> int:
         """Leading keys of `keys` some in-flight prompt on `worker` shares."""
-        counts = self._counts.get(worker, {})
-        n = 0
-        for k in keys:
-            if k not in counts:
-                break
-            n += 1
-        return n
+        return run_length(keys, self._counts.get(worker, {}))
 
 
 def prompt_size(request: RequestView) -> int:

@@ -92,7 +92,7 @@ class RedisIndexWriter(PrefixIndex):
             self._queue_full(worker, state)
 
     def _queue_full(self, worker: WorkerId, state: Any) -> None:
-        for diff in _chunks(_full_diff(state, cleared=True)):
+        for diff in _chunks(_full_diff(state)):
             self._queue(worker, diff)
 
     def _forget(self, worker: WorkerId) -> None:
@@ -177,7 +177,7 @@ class RedisIndexWriter(PrefixIndex):
         for url in list(self.mirror.blocks()):
             state = self.mirror.state(url)
             entry = await self._entry(url, self.mirror.block_size(url) or 0)
-            for diff in _chunks(_full_diff(state, cleared=True)):
+            for diff in _chunks(_full_diff(state)):
                 await self.store.write(entry, diff)
 
     async def _write_next(self) -> int:
@@ -242,11 +242,10 @@ def _diff(state: Any, old: dict[EngineHash, BlockKey | None], touched: list) -> 
     return diff
 
 
-def _full_diff(state: Any, cleared: bool) -> BlockDiff:
-    if state is None:
-        return BlockDiff(cleared=cleared)
+def _full_diff(state: Any) -> BlockDiff:
+    """Everything the worker holds, replacing whatever Redis had of it."""
     mapped = [(_h(eh), block_id(key)) for eh, key in state.by_engine.items()]
-    return BlockDiff(mapped=mapped, hold=[block_id(k) for k in state.refs], cleared=cleared)
+    return BlockDiff(mapped=mapped, hold=[block_id(k) for k in state.refs], cleared=True)
 
 
 def _chunks(diff: BlockDiff) -> list[BlockDiff]:

@@ -138,9 +138,6 @@ class Schema:
         )
         self.block_prefix = f"{prefix}:b:"
 
-    def block(self, key: str) -> str:
-        return self.block_prefix + key
-
     def owned(self, n: int) -> str:
         return f"{self.prefix}:m:{n}"
 
