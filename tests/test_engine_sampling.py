@@ -11,6 +11,7 @@ pytest.importorskip("torch")
 pytest.importorskip("xgrammar")
 
 from radixserve import Engine  # noqa: E402
+from radixserve.engine.engine import sampling_from  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
           "additionalProperties": False}  # fmt: skip
@@ -64,3 +65,11 @@ def test_a_sim_engine_refuses_what_needs_logits():
             sim.generate("hello", {"max_new_tokens": 2, "regex": "[a-z]+"})
         out = sim.generate("hello", {"max_new_tokens": 3, "min_new_tokens": 2})
         assert out["meta_info"]["completion_tokens"] >= 2
+
+
+def test_sampling_from_refuses_two_grammars():
+    assert sampling_from({"regex": "[a-z]+"}).grammar == ("regex", "[a-z]+")
+    with pytest.raises(ValueError, match="at most one"):
+        sampling_from({"json_schema": json.dumps(SCHEMA), "regex": "[a-z]+"})
+    with pytest.raises(ValueError, match="at most one"):
+        sampling_from({"regex": "[a-z]+", "grammar": ("json", "")})

@@ -90,7 +90,7 @@ def test_sglangs_set_internal_state_and_bounded_wait_off(server):
         ({"max_running_requests": 3}, "max_running_requests"),  # not a run-time setting
         ({"schedule_policy": "nope"}, "schedule_policy"),
         ({"max_wait_ms": -5}, "max_wait_ms"),
-        ({"schedule_policy": None}, "server_args"),
+        ({"schedule_policy": None}, "schedule_policy"),
         ({}, "schedule_policy"),
     ],
 )

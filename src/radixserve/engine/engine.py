@@ -34,10 +34,12 @@ def sampling_from(arg: SamplingArg) -> SamplingParams:
         kw["top_k"] = -1
     if isinstance(kw.get("logit_bias"), Mapping):  # {token id: bias}
         kw["logit_bias"] = tuple((int(t), float(b)) for t, b in kw["logit_bias"].items())
-    for kind in ("json_schema", "regex"):  # SGLang's names for the one grammar
-        spec = kw.pop(kind, None)
-        if spec is not None:
-            kw["grammar"] = (kind, spec)
+    # SGLang's names for the one grammar: two of them is refused, not one silently dropped
+    named = [(k, s) for k in ("json_schema", "regex") if (s := kw.pop(k, None)) is not None]
+    if len(named) + (kw.get("grammar") is not None) > 1:
+        raise ValueError("give at most one of json_schema, regex and grammar")
+    if named:
+        kw["grammar"] = named[0]
     return SamplingParams(**kw)
 
 

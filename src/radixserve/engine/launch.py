@@ -44,12 +44,12 @@ class EngineConfig:
                                ("sched", SchedulerConfig)):  # fmt: skip
             names = {f.name for f in dataclasses.fields(part_cls)}
             parts[name] = part_cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
-        sim, vocab = kwargs.pop("sim", None), kwargs.pop("sim_vocab_size", 32000)
+        own = {k: kwargs.pop(k) for k in ("sim", "sim_vocab_size") if k in kwargs}
         events = kwargs.pop("kv_events_config", None)
         if kwargs:
             raise TypeError(f"unknown engine options: {', '.join(sorted(kwargs))}")
         kv_events = KVEventsConfig.from_json(events) if events is not None else None
-        return cls(sim=sim, sim_vocab_size=vocab, kv_events=kv_events, **parts)
+        return cls(kv_events=kv_events, **own, **parts)
 
     def tokenizer_spec(self) -> TokenizerSpec:
         if self.sim is not None:

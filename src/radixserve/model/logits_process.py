@@ -28,17 +28,12 @@ def process_logits(
     return logits
 
 
-def _flat(rows: list[int], lists: list[Sequence[int]], device: torch.device) -> tuple:
-    """(row index, token id) tensors of every token in ``lists``, row ``rows[k]`` for list k."""
-    lengths = torch.tensor([len(x) for x in lists], dtype=torch.int64)
-    ids = [t for x in lists for t in x]
-    row = torch.repeat_interleave(torch.arange(len(rows)), lengths)
-    return row.to(device), torch.tensor(ids, dtype=torch.int64, device=device)
-
-
 def _counts(lists: list[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """``[len(lists), vocab]``: how often each token id occurs in each list."""
     counts = torch.zeros(len(lists), vocab, dtype=torch.float32, device=device)
-    row, ids = _flat(list(range(len(lists))), lists, device)
+    lengths = torch.tensor([len(x) for x in lists], dtype=torch.int64)
+    row = torch.repeat_interleave(torch.arange(len(lists)), lengths).to(device)
+    ids = torch.tensor([t for x in lists for t in x], dtype=torch.int64, device=device)
     keep = ids < vocab
     counts.index_put_((row[keep], ids[keep]), torch.ones_like(ids[keep], dtype=counts.dtype),
                       accumulate=True)  # fmt: skip

@@ -56,7 +56,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        _check_penalties(self)
+        _check_logit_params(self)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -90,7 +90,8 @@ def needs_logits(sp: SamplingParams) -> str | None:
     return next((k for k, v in LOGIT_FIELDS.items() if getattr(sp, k) != v), None)
 
 
-def _check_penalties(p: SamplingParams) -> None:
+def _check_logit_params(p: SamplingParams) -> None:
+    """The ranges of the fields the logits processors and logprobs read (not only penalties)."""
     if p.min_new_tokens < 0 or p.min_new_tokens > p.max_new_tokens:
         raise ValueError(f"min_new_tokens must be in [0, max_new_tokens], got {p.min_new_tokens}")
     for name in ("presence_penalty", "frequency_penalty"):

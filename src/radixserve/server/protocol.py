@@ -19,12 +19,6 @@ TopK = Annotated[int, Field(ge=-1, lt=2**31)]
 Stop = str | list[str] | None
 
 
-def _refusal(message: str) -> Exception:
-    from radixserve.server.errors import ApiError
-
-    return ApiError(400, message, param="server_args")
-
-
 def cache_namespace(body: Any) -> str | None:
     """The prefix-cache namespace of a request: requests with different ``cache_salt`` values
     never share cached KV (vLLM's semantics); the router keys its tree the same way. LoRA
@@ -69,8 +63,6 @@ def refused(model: type[BaseModel]) -> dict[str, str]:
 def check_supported(body: BaseModel, prefix: str = "") -> None:
     """Refuse (400 naming the field, with its dotted path) the first unsupported field that
     ``body`` or a model nested in it sets to a value the server cannot honour."""
-    from radixserve.server.errors import ApiError
-
     for name, f in type(body).model_fields.items():
         value = getattr(body, name)
         extra = f.json_schema_extra
@@ -399,7 +391,7 @@ class SchedulerSettings(BaseModel):
         out = {name: getattr(self, name) for name in self.model_fields_set}
         for name in ("schedule_policy", "enable_priority_scheduling"):
             if name in out and out[name] is None:
-                raise _refusal(f"{name} cannot be null")
+                raise ApiError(400, f"{name} cannot be null", param=name)
         return out
 
 
