@@ -1,8 +1,9 @@
 """The radix trees radix_bench.py measures ours against: SGLang 0.5.23's production
 ``UnifiedRadixCache`` on its Rust tree core (when the ``sglang`` package imports), and a plain
 pure-Python radix tree (the fallback, and a floor). Each exposes the calls the benchmark makes:
-``prepare`` (its natural key and value types, made outside the timing), ``match_prefix``,
-``insert``, ``evict`` (which gives the freed KV slots back to its own allocator)."""
+``key`` and ``values`` (its natural key and value types, made outside the timing),
+``match_prefix``, ``insert``, ``evict`` (which gives the freed KV slots back to its own
+allocator; None where a tree has no eviction)."""
 
 from __future__ import annotations
 
@@ -127,14 +128,6 @@ class _LoopMatch:
 
     def __init__(self, last_node: _LoopNode, length: int) -> None:
         self.last_node, self.length = last_node, length
-
-    @property
-    def slots(self) -> list[int]:
-        parts, node = [], self.last_node
-        while node.parent is not None:
-            parts.append(node.value)
-            node = node.parent
-        return [s for part in reversed(parts) for s in part]
 
 
 def _loop_match(key: list[int], tokens: list[int]) -> int:

@@ -154,35 +154,27 @@ class RadixMachinePaged(RadixMachine):
     max_len = 80
 
 
-def _policy_machine(policy: str) -> type[RadixMachine]:
-    return type(f"RadixMachine_{policy}", (RadixMachine,), {"policy": policy})
+_POLICY_SETTINGS = settings(max_examples=40, stateful_step_count=30, deadline=None)
+
+
+def _policy_case(policy: str, base: type[RadixMachine] = RadixMachine) -> type:
+    """The state machine's test case under another eviction policy."""
+    case = type(f"{base.__name__}_{policy}", (base,), {"policy": policy}).TestCase
+    case.settings = _POLICY_SETTINGS
+    return case
 
 
 TestRadixPage1 = RadixMachine.TestCase
 TestRadixPage1.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
 TestRadixPage16 = RadixMachinePaged.TestCase
 TestRadixPage16.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
-_POLICY_SETTINGS = settings(max_examples=40, stateful_step_count=30, deadline=None)
-TestRadixLFU = _policy_machine("lfu").TestCase
-TestRadixLFU.settings = _POLICY_SETTINGS
-TestRadixFIFO = _policy_machine("fifo").TestCase
-TestRadixFIFO.settings = _POLICY_SETTINGS
-TestRadixMRU = _policy_machine("mru").TestCase
-TestRadixMRU.settings = _POLICY_SETTINGS
-TestRadixFILO = _policy_machine("filo").TestCase
-TestRadixFILO.settings = _POLICY_SETTINGS
-TestRadixPriority = _policy_machine("priority").TestCase
-TestRadixPriority.settings = _POLICY_SETTINGS
-TestRadixHitBenefit = _policy_machine("hit-benefit").TestCase
-TestRadixHitBenefit.settings = _POLICY_SETTINGS
-
-
-class RadixMachinePagedBenefit(RadixMachinePaged):
-    policy = "hit-benefit"
-
-
-TestRadixPage16Benefit = RadixMachinePagedBenefit.TestCase
-TestRadixPage16Benefit.settings = _POLICY_SETTINGS
+TestRadixLFU = _policy_case("lfu")
+TestRadixFIFO = _policy_case("fifo")
+TestRadixMRU = _policy_case("mru")
+TestRadixFILO = _policy_case("filo")
+TestRadixPriority = _policy_case("priority")
+TestRadixHitBenefit = _policy_case("hit-benefit")
+TestRadixPage16Benefit = _policy_case("hit-benefit", RadixMachinePaged)
 
 
 def test_parent_becomes_evictable_leaf() -> None:

@@ -53,8 +53,8 @@ class MatchResult:
 
     __slots__ = ("_slots", "last_node", "length")
 
-    def __init__(self, slots: array | None, last_node: TreeNode, length: int) -> None:
-        self._slots = slots
+    def __init__(self, last_node: TreeNode, length: int) -> None:
+        self._slots: array | None = None
         self.last_node = last_node
         self.length = length
 
@@ -63,10 +63,6 @@ class MatchResult:
         if self._slots is None:
             self._slots = path_slots(self.last_node)
         return self._slots
-
-    @slots.setter
-    def slots(self, value: array) -> None:
-        self._slots = value
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, MatchResult):

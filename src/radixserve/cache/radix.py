@@ -137,10 +137,10 @@ class RadixCache:
         tokens, query, end, node, tick = self._begin(tokens, namespace)
         page = self.page_size
         if not end:
-            return MatchResult(None, node, 0)
+            return MatchResult(node, 0)
         child = node.children.get(tokens[0] if page == 1 else tuple(tokens[:page]))
         if child is None:  # a miss costs one dict lookup: the query is encoded only on a hit
-            return MatchResult(None, node, 0)
+            return MatchResult(node, 0)
         if query is None:
             query = self._encode(tokens)
         raw, width = query.tobytes(), self._width  # raw.startswith(key, offset): no slicing
@@ -167,7 +167,7 @@ class RadixCache:
             child = node.children.get(tokens[pos] if page == 1 else tuple(tokens[pos : pos + page]))
             if child is None:
                 break
-        return MatchResult(None, node, pos)
+        return MatchResult(node, pos)
 
     def insert(
         self,

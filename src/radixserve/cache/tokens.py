@@ -6,7 +6,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 
-SLOT_CODE = "q"  # slot ids: one C array per cache, per request, per match result
+SLOT_CODE = "q"  # slot ids: one C array per tree node, per request, per match result
 
 
 def token_array(ids: Sequence[int]) -> array:

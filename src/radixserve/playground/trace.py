@@ -8,7 +8,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from radixserve.config import CacheConfig, SchedulerConfig
-from radixserve.sim.cluster import ClusterConfig, ClusterSim
+from radixserve.playground.runs import CLUSTER
+from radixserve.sim.cluster import ClusterSim
 from radixserve.sim.workloads import WorkloadRequest
 
 SYSTEM_LEN, QUESTION_LEN, OUTPUT_LEN = 1024, 32, 16
@@ -16,16 +17,17 @@ ROOM = 4  # requests the KV pool holds at once (prompt and output)
 ORDER = "ABABAB"
 
 
-def trace_requests(gap_s: float = 0.001) -> list[WorkloadRequest]:
-    """A1, B1, A2, B2, A3, B3, ``gap_s`` apart (so all six wait when the engine first picks)."""
+def trace_requests() -> list[WorkloadRequest]:
+    """A1, B1, A2, B2, A3, B3, in that order, all at time 0: all six wait when the engine
+    first picks."""
     rng = random.Random(0)
     systems = {k: [rng.randrange(32000) for _ in range(SYSTEM_LEN)] for k in "AB"}
     out, seen = [], {"A": 0, "B": 0}
-    for i, k in enumerate(ORDER):
+    for k in ORDER:
         seen[k] += 1
         question = [rng.randrange(32000) for _ in range(QUESTION_LEN)]
         rid = f"{k}{seen[k]}"
-        out.append(WorkloadRequest(rid, i * gap_s, systems[k] + question, OUTPUT_LEN, group=k))
+        out.append(WorkloadRequest(rid, 0.0, systems[k] + question, OUTPUT_LEN, group=k))
     return out
 
 
@@ -42,15 +44,16 @@ def walk(policy: str) -> list[dict[str, Any]]:
     seconds) and how many prompt tokens it found cached."""
     kv = ROOM * (SYSTEM_LEN + QUESTION_LEN + OUTPUT_LEN)
     sim = _Recorder(
-        ClusterConfig(engines=1, router="round_robin"),
+        CLUSTER,
         SchedulerConfig(schedule_policy=policy, max_running_requests=ROOM),
         CacheConfig(max_total_tokens=kv),
     )
     sim.finished = []
-    sim.run(trace_requests(gap_s=0.0))
+    reqs = trace_requests()
+    sim.run(reqs)
     sim.check_integrity()
     by_rid = {r.rid: r for r in sim.finished}
-    return [_row(by_rid[w.rid], w) for w in trace_requests(gap_s=0.0)]
+    return [_row(by_rid[w.rid], w) for w in reqs]
 
 
 def _row(req: Any, w: WorkloadRequest) -> dict[str, Any]:
