@@ -104,7 +104,6 @@ class _Engine:
 
     __slots__ = (
         "idx", "sched", "runner", "batch", "result", "awake", "load", "requests", "tokens", "run",
-        "prefilling",
     )  # fmt: skip
 
     def __init__(self, idx: int, sched: Scheduler, runner: SimRunner) -> None:
@@ -115,7 +114,6 @@ class _Engine:
         self.run: _DecodeRun | None = None  # a run of pure decode steps in flight
         self.load = EngineLoad()
         self.requests = self.tokens = 0  # dispatched and not finished: the router's view
-        self.prefilling: dict[str, Req] = {}  # dispatched, no token out yet
 
     def view(self) -> WorkerView:
         return WorkerView(self.idx, self.requests, True, self.tokens)
@@ -123,7 +121,7 @@ class _Engine:
     def reported_view(self, now: float) -> WorkerView:
         """The view plus the prefill tokens this engine has yet to compute, as a worker
         reports them to kv_aware."""
-        left = sum(len(r.input_ids) - max(r.kv_len, r.match_len) for r in self.prefilling.values())
+        left = self.sched.waiting_prefill_tokens()  # what /get_loads reports
         return WorkerView(self.idx, self.requests, True, self.tokens, left, now)
 
 
@@ -273,7 +271,6 @@ class ClusterSim:
         self._live[w.rid] = (req, eng, view)
         if eng.run is not None:
             self._cut(eng, eng.run)
-        eng.prefilling[w.rid] = req
         if not eng.awake:
             eng.awake = True
             self._push(now, _WAKE, eng.idx)
@@ -350,7 +347,6 @@ class ClusterSim:
         eng.batch = eng.result = None
         done = 0
         for out in eng.sched.on_output(batch, result):  # type: ignore[arg-type]
-            eng.prefilling.pop(out.rid, None)
             if out.finished:
                 self._finish(out.rid)
                 done += 1
