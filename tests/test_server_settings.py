@@ -50,6 +50,21 @@ def test_only_the_admin_key_may_change_settings(server):
     assert _update(server, {"max_wait_ms": 10.0}).status == 200
 
 
+def test_only_the_admin_key_may_abort_every_request(server):
+    # a rid is the client's own business; abort_all ends everybody's requests
+    body = {"abort_all": True}
+    for key in ("", USER):
+        reply = server.request("POST", "/abort_request", body, headers=_as(key))
+        assert_error_body(reply, 401)
+    reply = server.request("POST", "/abort_request", {"rid": "nobody"}, headers=_as(USER))
+    assert reply.status == 200 and reply.json()["aborted"] == []
+    assert server.request("POST", "/abort_request", body, headers=_as(ADMIN)).status == 200
+    # the other control routes still take the API key alone
+    for path, req in (("/tokenize", {"prompt": "a"}), ("/detokenize", {"tokens": [1]})):
+        assert_error_body(server.request("POST", path, req, headers=_as("")), 401)
+        assert server.request("POST", path, req, headers=_as(USER)).status == 200
+
+
 def test_a_switch_under_load_loses_no_request(server):
     with ThreadPoolExecutor(12) as pool:
         futures = [pool.submit(_generate, server, i) for i in range(12)]

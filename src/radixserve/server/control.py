@@ -25,10 +25,11 @@ from radixserve.server.state import ServerState, read_json
 
 
 def control_routes(state: ServerState) -> APIRouter:
-    router = APIRouter(dependencies=[Depends(state.authorize)])
+    router = APIRouter()
     limit = state.config.max_payload_size
+    user = [Depends(state.authorize)]
 
-    @router.post("/tokenize", openapi_extra=openapi_body(TokenizeRequest))
+    @router.post("/tokenize", openapi_extra=openapi_body(TokenizeRequest), dependencies=user)
     async def tokenize(request: Request) -> dict[str, Any]:
         body = await read_json(request, TokenizeRequest, limit)
         state.check_model(body.model)
@@ -37,7 +38,7 @@ def control_routes(state: ServerState) -> APIRouter:
         return {"count": len(ids), "max_model_len": state.tm.context_length, "tokens": ids,
                 "token_strs": strs}  # fmt: skip
 
-    @router.post("/detokenize", openapi_extra=openapi_body(DetokenizeRequest))
+    @router.post("/detokenize", openapi_extra=openapi_body(DetokenizeRequest), dependencies=user)
     async def detokenize(request: Request) -> dict[str, Any]:
         body = await read_json(request, DetokenizeRequest, limit)
         state.check_model(body.model)
@@ -49,9 +50,15 @@ def control_routes(state: ServerState) -> APIRouter:
 
     @router.post("/abort_request", openapi_extra=openapi_body(AbortRequest))
     async def abort_request(request: Request) -> dict[str, Any]:
+        try:  # the API key, or the admin key (which alone may abort every request)
+            state.authorize(request)
+        except ApiError:
+            state.authorize_admin(request)
         body = await read_json(request, AbortRequest, limit)
         if not body.abort_all and not body.rid:
             raise ApiError(400, "give the rid of the request to abort, or abort_all", param="rid")
+        if body.abort_all:  # ends every client's requests: an admin action
+            state.authorize_admin(request)
         aborted = await state.tm.abort(None if body.abort_all else body.rid)
         return {"success": True, "aborted": aborted}
 
