@@ -158,11 +158,11 @@ class Streamer(threading.Thread):
             if resp.status != 200:
                 self.failed += 1
                 self.why.append(f"{resp.status} {text[:120]}")
+            elif '"error"' in text and text.rstrip().endswith("data: [DONE]"):
+                self.cut += 1
             elif '"error"' in text:
-                self.cut += 1 if text.rstrip().endswith("data: [DONE]") else 0
-                if not text.rstrip().endswith("data: [DONE]"):
-                    self.failed += 1
-                    self.why.append(text[-120:])
+                self.failed += 1
+                self.why.append(text[-120:])
             else:
                 self.complete += 1
 

@@ -3,13 +3,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import pytest
 
 pytest.importorskip("httptools")
 
+from radixserve.router.config import HealthConfig  # noqa: E402
 from radixserve.router.policies import RequestView, WorkerView, create_policy  # noqa: E402
+from radixserve.router.workers import WorkerRegistry  # noqa: E402
 from test_router_app import (  # noqa: E402
     FakeWorker,
     call,
@@ -114,3 +117,25 @@ def test_kv_usage_threshold(workers, make_router):  # noqa: F811
         assert {generate(r.addr, f"k{i}")[1]["meta_info"]["worker"] for i in range(4)} == {a.name}
     finally:
         b.post("/fake/load", {"num_waiting": 0, "kv_usage": 0.0})
+
+
+def test_a_worker_reporting_garbage_stats_is_not_overloaded_and_probes_go_on(workers):  # noqa: F811
+    a, b, c = workers[:3]
+    health = HealthConfig(overload_waiting=10, overload_kv_usage=0.9)
+
+    async def sweep() -> frozenset[str]:
+        reg = WorkerRegistry(health, lambda _id: None)
+        for w in (a, b, c):
+            reg.add(w.url)
+        await reg.check_all()  # raised on b's or c's stats, and the health loop died with it
+        await reg.stop()
+        return reg.overloaded
+
+    try:
+        a.post("/fake/load", {"num_waiting": 50, "kv_usage": 0.0})
+        b.post("/fake/load", {"num_waiting": "many", "kv_usage": None})
+        c.post("/fake/load", [1, 2])  # type: ignore[arg-type]
+        assert asyncio.run(sweep()) == {"w1"}
+    finally:
+        for w in (a, b, c):
+            w.post("/fake/load", {"num_waiting": 0, "kv_usage": 0.0})

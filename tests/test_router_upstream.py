@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from radixserve.router.config import HealthConfig  # noqa: E402
+from radixserve.router.pool import ConnectionPool  # noqa: E402
 from radixserve.router.workers import CircuitBreaker, WorkerRegistry  # noqa: E402
 from test_router_app import (  # noqa: E402
     FakeWorker,
@@ -142,6 +143,24 @@ def test_per_worker_connection_cap_queues_requests(make_router):  # noqa: F811
     finally:
         slow.kill()
     assert results == [200] * 6 and 1 <= peak <= 2
+
+
+def test_a_waiter_woken_as_it_is_cancelled_passes_the_slot_on():
+    async def scenario() -> None:
+        pool = ConnectionPool("http://127.0.0.1:1", max_conns=1)
+        pool.busy = 1  # the one connection is in use
+        a, b, c = (asyncio.create_task(pool._wait_for_slot()) for _ in range(3))
+        await asyncio.sleep(0)
+        b.cancel()  # gives up while waiting: its future stays queued behind a's
+        await asyncio.sleep(0)
+        pool.busy = 0
+        pool._waiters.popleft().set_result(None)  # the slot frees: a is woken...
+        a.cancel()  # ...and cancelled before it runs, so it must wake the next one
+        results = await asyncio.gather(a, b, return_exceptions=True)
+        assert all(isinstance(r, asyncio.CancelledError) for r in results), results
+        await asyncio.wait_for(c, 1)  # c got the slot, skipping b's cancelled turn
+
+    asyncio.run(scenario())
 
 
 def test_a_pooled_connection_the_worker_closed_is_retried_fresh(make_router):  # noqa: F811

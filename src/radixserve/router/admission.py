@@ -25,8 +25,7 @@ class Admission:
 
     async def acquire(self) -> bool:
         """Take a slot, waiting in the queue if there is room; False when refused."""
-        if self.limit <= 0 or (self.active < self.limit and not self.waiting):
-            self.active += 1
+        if self.try_acquire():
             return True
         if len(self.waiting) >= self.queue_size:
             self.rejected += 1

@@ -239,10 +239,13 @@ class Router(Endpoints):
     # ----- proxying -----
 
     def _overloaded(self, conn: ClientConn) -> None:
-        """No slot and no room in the queue: a 503 the client can retry."""
-        self.failed[503] += 1
+        """No slot and no room in the queue."""
         a = self.admission
-        msg = f"the router is at capacity ({a.active} in flight, {a.queued} queued)"
+        self._shed(conn, f"the router is at capacity ({a.active} in flight, {a.queued} queued)")
+
+    def _shed(self, conn: ClientConn, msg: str) -> None:
+        """A 503 the client can retry: the router, or every worker, is at capacity."""
+        self.failed[503] += 1
         body = error_body(503, msg, "service_unavailable", "overloaded")
         conn.send_json(503, body, headers=b"Retry-After: 1\r\n")
 
@@ -298,10 +301,7 @@ class Router(Endpoints):
         if tried:
             msg = f"request failed on {len(tried)} attempt(s) ({', '.join(tried)})"
         elif self.registry.overloaded and self.registry.routable():
-            self.failed[503] += 1
-            msg = "every worker reports a queue or KV usage past the overload threshold"
-            body = error_body(503, msg, "service_unavailable", "overloaded")
-            conn.send_json(503, body, headers=b"Retry-After: 1\r\n")
+            self._shed(conn, "every worker reports a queue or KV usage past the overload threshold")
             return
         else:
             status, msg = 503, "no healthy worker available"

@@ -48,11 +48,19 @@ class Request:
                  "session")  # fmt: skip
 
     def __init__(
-        self, method: str, url: str, auth: bytes, body: bytes, keep_alive: bool, rid: str = ""
+        self,
+        method: str,
+        url: str,
+        auth: bytes,
+        body: bytes,
+        keep_alive: bool,
+        rid: str,
+        http11: bool = True,
+        session: bytes = b"",
     ) -> None:
         self.method, self.auth, self.body, self.keep_alive = method, auth, body, keep_alive
         self.path, _, self.query = url.partition("?")
-        self.http11, self.rid, self.session = True, rid or os.urandom(12).hex(), b""
+        self.http11, self.rid, self.session = http11, rid, session
 
 
 class Refusal:
@@ -240,8 +248,9 @@ class ClientConn(asyncio.Protocol):
             b"".join(self.body),
             p.should_keep_alive(),
             request_id(self.rid),
+            p.get_http_version() == "1.1",
+            self.session,
         )
-        req.http11, req.session = p.get_http_version() == "1.1", self.session
         if p.should_upgrade():  # the parser calls an Upgrade request's connection closing
             req.keep_alive = req.http11
             if self.length and not self.body:

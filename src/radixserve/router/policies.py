@@ -237,7 +237,8 @@ def create_policy(
 #     session (each sticky for its later turns) until its excess spilled, which left the
 #     busiest engine at 1.14x / 1.33x / 1.45x the mean busy time with 4 / 8 / 16 engines
 #     (`radixserve sim --workload multi-turn`, 400 sessions x 10 turns, 1 session/s, 20 s
-#     think time); with the switch 1.09x / 1.07x / 1.12x, and 1-1.5 points more hits.
+#     think time); with the switch 1.09x / 1.07x / 1.12x at share_slack 0.05, and 1-1.5
+#     points more hits; 1.03x / 1.05x / 1.09x at the default 0.03, with the same hits.
 #   - sglang-router has no share_slack. Prefix groups never draw exactly equal traffic, so
 #     keeping every request of a group home leaves the busiest worker 5-11% above the mean on
 #     the 16-group benchmark (the luck of which groups share a worker). Spilling only a
@@ -337,14 +338,16 @@ class CacheAwarePolicy(RouterPolicy):
         if self.defer_eviction:
             self.evict_due = True
         else:
-            cap = self.config.max_tree_size
-            self.tree.evict_tenant_by_cost(cap - cap // 8)
+            self.tree.evict_tenant_by_cost(self._evict_to())
 
     def eviction_slices(self) -> Iterator[int]:
         """The deferred eviction, in slices of bounded work (see MultiTenantTree)."""
         self.evict_due = False
+        return self.tree.evict_in_slices(self._evict_to())
+
+    def _evict_to(self) -> int:
         cap = self.config.max_tree_size
-        return self.tree.evict_in_slices(cap - cap // 8)
+        return cap - cap // 8  # 7/8: the headroom amortises the walk over the whole tree
 
     def expected_hit_rate(self) -> float:
         """Share of dispatched key units that the chosen worker already held."""

@@ -208,11 +208,7 @@ class ConnectionPool:
             return await self._exchange(conn, data, on_head, timeout, idle, bind, fresh=True)
         finally:
             self.busy -= 1
-            while self._waiters:
-                waiter = self._waiters.popleft()
-                if not waiter.done():
-                    waiter.set_result(None)
-                    break
+            self._wake_one()
 
     async def _wait_for_slot(self) -> None:
         while self.busy >= self.max_conns:
@@ -221,9 +217,17 @@ class ConnectionPool:
             try:
                 await waiter
             except asyncio.CancelledError:
-                if waiter.done() and not waiter.cancelled() and self._waiters:
-                    self._waiters.popleft().set_result(None)  # pass the wake-up on
+                if waiter.done() and not waiter.cancelled():
+                    self._wake_one()  # woken just as we gave up: pass the wake-up on
                 raise
+
+    def _wake_one(self) -> None:
+        """Wake the longest waiter still waiting (a cancelled one stays queued until here)."""
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
 
     async def _exchange(self, conn, data, on_head, timeout, idle, bind, fresh=False) -> Response:  # noqa: ANN001
         loop = asyncio.get_running_loop()
@@ -240,7 +244,7 @@ class ConnectionPool:
         try:
             return await ex.done
         except UpstreamError as exc:
-            if not fresh and not conn.got and "closed the connection" in str(exc):
+            if not fresh and not conn.got and exc.lost:  # lost: the worker hung up
                 raise _Stale from exc
             raise
         except asyncio.CancelledError:

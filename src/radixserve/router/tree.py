@@ -191,23 +191,20 @@ class MultiTenantTree:
         return evicted
 
     def evict_in_slices(self, max_cost: int, nodes_per_slice: int = 500) -> Iterator[int]:
-        """The same eviction as evict_tenant_by_cost, as a generator that does at most about
+        """One pass of evict_tenant_by_cost's eviction, as a generator that does at most about
         `nodes_per_slice` nodes of work between yields (it yields the units evicted so far), so
         that a caller can interleave it with inserts and matches instead of stalling them while
-        it walks the whole tree. The tree may change between slices: a leaf touched or grown
-        since it was seen is skipped, and leaves that become leaves meanwhile wait for the next
-        pass."""
+        it walks the whole tree. It drops only the leaves found by its walk: a leaf touched or
+        grown since it was seen is skipped, and a node that becomes a leaf meanwhile (a parent
+        of dropped leaves included) waits for the next pass, so a tenant far above `max_cost`
+        may stay above it until then."""
         over = {t for t in self._sizes if self.cost(t) > max_cost}
         heaps: dict[Tenant, list[_HeapItem]] = {t: [] for t in over}
-        stack = [c for root in self._roots.values() for c in (root.children or {}).values()]
         done = 0
-        while stack and over:
-            node = stack.pop()
+        for node in self._walk() if over else ():
             for tenant, (stamp, _) in node.tenants.items():
                 if tenant in over and not self._holds_a_child(node, tenant):
                     heaps[tenant].append((stamp, next(self._seq), node))
-            if node.children:
-                stack.extend(node.children.values())
             done += 1
             if done % nodes_per_slice == 0:
                 yield 0
@@ -344,12 +341,7 @@ class MultiTenantTree:
         evicted = 0
         while heap and self.cost(tenant) > max_cost:
             _, _, node = heapq.heappop(heap)
-            del node.tenants[tenant]
-            evicted += len(node.edge) // UNIT
-            self._sizes[tenant] -= len(node.edge) // UNIT
-            self._nodes[tenant] -= 1
-            if not node.tenants:
-                self._detach(node)
+            evicted += self._drop(node, tenant)
             parent = node.parent
             held[parent, tenant] -= 1
             if not held[parent, tenant] and tenant in parent.tenants:  # roots hold no tenant

@@ -172,11 +172,10 @@ class WorkerRegistry:
 
     def views(self, now: float, exclude: Iterable[str] = ()) -> list[WorkerView]:
         views = [w.view(now) for w in self.workers]
-        if self.overloaded:  # steered away from; when that is everyone, the router sheds
-            views = [WorkerView(v.id, v.load, False) if v.id in self.overloaded else v
-                     for v in views]  # fmt: skip
-        if exclude:
-            views = [WorkerView(v.id, v.load, False) if v.id in exclude else v for v in views]
+        # Overloaded workers are steered away from (when that is everyone, the router sheds).
+        off = self.overloaded.union(exclude) if exclude else self.overloaded
+        if off:
+            views = [WorkerView(v.id, v.load, False) if v.id in off else v for v in views]
         return views
 
     def routable(self) -> int:
@@ -218,16 +217,26 @@ class WorkerRegistry:
         """Whether the worker reports a waiting queue or KV usage past the thresholds (our
         server's /get_server_info "stats"); a worker that does not say is not overloaded."""
         h = self.health
+        stats = (await self._get_json(worker, "/get_server_info") or {}).get("stats")
+        if not isinstance(stats, dict):
+            return False
+        waiting, kv = stats.get("num_waiting"), stats.get("kv_usage")
+        return (_number(waiting) and 0 < h.overload_waiting < waiting) or (
+            _number(kv) and 0 < h.overload_kv_usage < kv
+        )
+
+    async def _get_json(self, worker: Worker, path: str) -> dict | None:
+        """GET `path` within the health timeout, connecting included; its JSON object, or None
+        (unreachable, slow, not 200, not a JSON object)."""
+        timeout = self.health.timeout_secs
         try:
             resp = await asyncio.wait_for(
-                worker.pool.request("GET", "/get_server_info", timeout=h.timeout_secs),
-                h.timeout_secs,
+                worker.pool.request("GET", path, timeout=timeout), timeout
             )
-            stats = json.loads(resp.body).get("stats") or {} if resp.status == 200 else {}
-        except (UpstreamError, OSError, asyncio.TimeoutError, ValueError, AttributeError):
-            return False
-        waiting, kv = stats.get("num_waiting") or 0, stats.get("kv_usage") or 0.0
-        return (0 < h.overload_waiting < waiting) or (0 < h.overload_kv_usage < kv)
+            obj = json.loads(resp.body) if resp.status == 200 else None
+        except (UpstreamError, OSError, asyncio.TimeoutError, ValueError):
+            return None
+        return obj if isinstance(obj, dict) else None
 
     async def probe_now(self, worker: Worker) -> bool:
         """One probe whose verdict counts at once (a worker just added)."""
@@ -254,13 +263,7 @@ class WorkerRegistry:
         stamped with the time it was asked for: dispatches made before then are in it. A worker
         that does not report (another engine, an error) keeps the router's own count alone."""
         asked = time.monotonic()
-        try:
-            resp = await worker.pool.request("GET", "/get_loads", timeout=self.health.timeout_secs)
-            tokens = (
-                json.loads(resp.body).get("waiting_prefill_tokens") if resp.status == 200 else None
-            )
-        except (UpstreamError, OSError, ValueError, AttributeError):
-            tokens = None
+        tokens = (await self._get_json(worker, "/get_loads") or {}).get("waiting_prefill_tokens")
         ok = isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0
         worker.prefill_tokens, worker.reported_at = (tokens, asked) if ok else (None, float("-inf"))
 
@@ -277,3 +280,7 @@ class WorkerRegistry:
             worker.healthy = False
             self.on_removed(worker.id)
             log.warning("worker %s (%s) failed its health checks", worker.id, worker.url)
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
