@@ -139,3 +139,20 @@ def test_a_worker_reporting_garbage_stats_is_not_overloaded_and_probes_go_on(wor
     finally:
         for w in (a, b, c):
             w.post("/fake/load", {"num_waiting": 0, "kv_usage": 0.0})
+
+
+def test_overload_polls_carry_the_worker_api_key(make_router):  # noqa: F811
+    # /get_server_info is behind the workers' key: without it every poll was a 401, read as
+    # "no report", and the thresholds silently did nothing.
+    keyed = [FakeWorker(f"keyed{i}", "--api-key", "wk") for i in range(2)]
+    auth = {"Authorization": "Bearer wk"}
+    try:
+        r = make_router([w.url for w in keyed], policy="round_robin", worker_api_key="wk",
+                        health_check_interval_secs=0.1, overload_waiting_threshold=10)  # fmt: skip
+        call("POST", f"127.0.0.1:{keyed[0].port}", "/fake/load", {"num_waiting": 50}, auth)
+        assert wait_for(lambda: r.router.registry.overloaded == {"w1"}, 10)
+        served = {generate(r.addr, f"p{i}")[1]["meta_info"]["worker"] for i in range(4)}
+        assert served == {"keyed1"}
+    finally:
+        for w in keyed:
+            w.kill()

@@ -68,6 +68,7 @@ class Router(Endpoints):
         subscribe = self.kvs is None  # on Redis, the kv-indexer follows the events
         self.kv = KvRouting(self.policy, config.tokenizer, subscribe) if has_index else None
         self.registry.poll_loads = has_index  # kv_aware reconciles pending prefill with them
+        self.registry.auth = self._worker_auth()
         self._admitting: set[asyncio.Task[bool]] = set()
         self.retries, self.failed = 0, {502: 0, 503: 0, 504: 0}
         self.decisions = [0] * (len(BUCKETS) + 1)
@@ -136,9 +137,7 @@ class Router(Endpoints):
         that tokenizes differently is removed (False). True at once without kv_aware."""
         if self.kv is None:
             return True
-        key = self.config.worker_api_key  # the workers' info endpoints are behind their key
-        auth = b"Authorization: Bearer " + key.encode() + b"\r\n" if key is not None else b""
-        fetch = partial(fetch_json, worker.pool.request, headers=auth)
+        fetch = partial(fetch_json, worker.pool.request, headers=self._worker_auth())
         if await self.kv.admit(worker.id, worker.url, fetch):
             return True
         self.registry.remove(worker)
@@ -326,6 +325,11 @@ class Router(Endpoints):
         self.decisions[bisect_left(BUCKETS, elapsed)] += 1
         self.decision_sum += elapsed
         return workers[index]
+
+    def _worker_auth(self) -> bytes:
+        """The header line the router's own calls to the workers' keyed endpoints carry."""
+        key = self.config.worker_api_key
+        return b"Authorization: Bearer " + key.encode() + b"\r\n" if key is not None else b""
 
     def _forward_headers(self, req: Request) -> bytes:
         key = self.config.worker_api_key

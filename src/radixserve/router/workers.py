@@ -138,6 +138,7 @@ class WorkerRegistry:
         self._task: asyncio.Task[None] | None = None
         self.overloaded: frozenset[str] = frozenset()  # ids past an overload threshold
         self.poll_loads = False  # also read each worker's /get_loads after a good probe
+        self.auth = b""  # header lines for the workers' keyed endpoints (/get_server_info)
 
     def add(
         self, url: str, addrs: frozenset[tuple[str, int]] = frozenset(), healthy: bool = True
@@ -231,7 +232,7 @@ class WorkerRegistry:
         timeout = self.health.timeout_secs
         try:
             resp = await asyncio.wait_for(
-                worker.pool.request("GET", path, timeout=timeout), timeout
+                worker.pool.request("GET", path, timeout=timeout, headers=self.auth), timeout
             )
             obj = json.loads(resp.body) if resp.status == 200 else None
         except (UpstreamError, OSError, asyncio.TimeoutError, ValueError):

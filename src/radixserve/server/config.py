@@ -24,7 +24,9 @@ class ServerConfig:
     served_model_name: str | None = _f(
         None, "the model name clients send and see (default: the model's own name)"
     )
-    api_key: str | None = _f(None, "bearer key required on every endpoint but /health, /metrics")
+    api_key: str | None = _f(
+        None, "bearer key required on every endpoint but /health*, /get_loads, /metrics"
+    )
     admin_api_key: str | None = _f(
         None, "bearer key of the admin endpoints (/set_internal_state, ...) instead of api_key"
     )
