@@ -154,3 +154,44 @@ def test_redis_restarted_empty_is_rewritten_from_the_mirror(redis_server):
         assert writer.rewrites == 1
 
     with_writer(redis_server, body)
+
+
+def test_a_router_reads_the_index_under_the_indexers_prefix(redis_server):
+    from radixserve.router.config import RouterConfig
+    from radixserve.router.kvs_reader import open_kv_index
+
+    toks = [5, 6, 7, 8] * 2
+
+    def config(*prefix: str) -> RouterConfig:
+        extra = {"redis_prefix": prefix[0]} if prefix else {}
+        return RouterConfig(worker_urls=("http://a",), policy="kv_aware",
+                            kv_index=redis_server.url, **extra)  # fmt: skip
+
+    async def main():
+        client = redis_asyncio.from_url(redis_server.url)
+        writer = RedisIndexWriter(RedisIndexStore(client, "team2"), retry_secs=0.05)
+        task = asyncio.create_task(writer.run())
+        try:
+            writer.apply("http://a", [stored(toks, [1, 2])])
+            assert await writer.flushed()
+            seen = []
+            for cfg in (config("team2"), config()):
+                reader, _policy = open_kv_index(cfg, lambda url: url)
+                await reader.prepare(toks, "")
+                seen.append(reader.prefix_tokens(["http://a"], lambda bs: block_keys(toks, bs)))
+                await reader.close()
+            return seen
+        finally:
+            task.cancel()
+            await client.aclose()
+
+    under_prefix, default = asyncio.run(main())
+    assert under_prefix == {"http://a": 8}
+    assert default == {}  # another prefix: another index, nothing known there
+
+
+def test_redis_only_flags_are_refused_with_the_memory_index():
+    from radixserve.router.config import RouterConfig
+
+    with pytest.raises(ValueError, match="--redis-prefix"):
+        RouterConfig(worker_urls=("http://a",), policy="kv_aware", redis_prefix="x")

@@ -4,7 +4,7 @@ command-line flags (named as sglang-router's where it has them)."""
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from radixserve.router.policies import POLICIES, CachePolicyConfig
@@ -92,6 +92,10 @@ class RouterConfig:
         500.0,
         "kv_aware on Redis: a lookup slower than this failed (keep it above the router's own "
         "p99 latency: a saturated router reads replies late)",
+    )
+    redis_prefix: str = _f(
+        "radixserve",
+        "kv_aware on Redis: prefix of the index's keys (the kv-indexer's --redis-prefix)",
     )
     tokenizer: str | None = _f(
         None,
@@ -198,6 +202,13 @@ class RouterConfig:
 
     def _check_kv_index(self) -> None:
         if self.kv_index == "memory":
+            redis_only = ("kvs_retry_times", "kvs_retry_interval_ms", "kvs_timeout_ms",
+                          "kvs_metadata_service_down_duration_s", "redis_prefix")  # fmt: skip
+            defaults = {f.name: f.default for f in fields(self)}
+            set_ = [n for n in redis_only if getattr(self, n) != defaults[n]]
+            if set_:
+                flags = ", ".join("--" + n.replace("_", "-") for n in set_)
+                raise ValueError(f"{flags}: for --kv-index redis://... only")
             return
         if not self.kv_index.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"--kv-index must be memory or a redis:// URL, not {self.kv_index!r}")

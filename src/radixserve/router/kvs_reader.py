@@ -187,6 +187,7 @@ def open_kv_index(config: Any, resolve: Callable[[str], Hashable | None]) -> tup
         config.kvs_retry_interval_ms,
         config.kvs_metadata_service_down_duration_s,
         config.kvs_timeout_ms,
+        config.redis_prefix,
     )
     reader = RedisIndexReader(kvs, resolve)
     return reader, KvAwarePolicy(config.policy_config(), index=reader)
