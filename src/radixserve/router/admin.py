@@ -10,7 +10,7 @@ from urllib.parse import parse_qs, unquote
 from prometheus_client import generate_latest
 
 from radixserve.router.http import Request, error_body
-from radixserve.router.workers import Response, fan_out, resolve
+from radixserve.router.workers import DuplicateWorker, Response, fan_out, resolve
 
 try:  # 5x faster on long prompts; the stdlib parser is the fallback
     from orjson import loads
@@ -68,7 +68,7 @@ class Endpoints:
         try:
             worker = self.registry.add(url, await resolve(url), healthy=False)
         except ValueError as exc:
-            status = 409 if "already" in str(exc) else 400
+            status = 409 if isinstance(exc, DuplicateWorker) else 400
             return status, error_body(status, str(exc))
         if not await self.admit(worker):  # kv_aware: checked before it can take traffic
             why = self.kv.refused.get(worker.url, "refused") if self.kv else "refused"

@@ -127,6 +127,10 @@ async def resolve(url: str) -> frozenset[tuple[str, int]]:
     return frozenset((info[4][0], port) for info in infos)
 
 
+class DuplicateWorker(ValueError):
+    """The worker is registered already (by its url or an address it resolves to)."""
+
+
 class WorkerRegistry:
     """The fleet. `on_removed(worker_id)` fires when a worker leaves, or fails its health checks
     (a dead engine's KV cache is gone, so what the policy believed it held is stale)."""
@@ -148,7 +152,7 @@ class WorkerRegistry:
         url = check_url(url)
         same = self.by_url(url) or next((w for w in self.workers if w.addrs & addrs), None)
         if same is not None:
-            raise ValueError(f"worker {url} is already registered (as {same.url})")
+            raise DuplicateWorker(f"worker {url} is already registered (as {same.url})")
         h = self.health
         breaker = CircuitBreaker(h.cb_failure_threshold, h.cb_success_threshold, h.cb_timeout_secs)
         pool = ConnectionPool(url, connect_timeout=h.connect_timeout_secs, max_conns=h.max_conns)
