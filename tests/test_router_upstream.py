@@ -254,3 +254,14 @@ def test_bad_flags_are_one_line_not_a_traceback(flags):
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.startswith("radixserve route: ") and out.stderr.count("\n") == 1
+
+
+def test_a_worker_silent_before_its_answer_is_a_gateway_timeout(make_router):  # noqa: F811
+    slow = FakeWorker("mute", "--token-delay-ms", "2000")
+    try:
+        r = make_router([slow.url], stream_timeout_secs=0.3)
+        status, body = call("POST", r.addr, "/generate", {"text": "x"})
+    finally:
+        slow.kill()
+    assert status == 504, body  # the worker was too slow: not a bad gateway
+    assert "request failed" in body["error"]["message"]

@@ -363,8 +363,7 @@ class Router(Endpoints):
                 self._forward_headers(req), cfg.stream_timeout_secs, conn.bind,
             )  # fmt: skip
         except UpstreamError as exc:
-            why = Failure(str(exc), 504 if "timed out" in str(exc) else 502, exc.retryable,
-                          exc.lost)  # fmt: skip
+            why = Failure(str(exc), 504 if exc.timed_out else 502, exc.retryable, exc.lost)
             return self._failed(conn, req, worker, why, streamed)
         finally:
             worker.load, worker.queued_units = worker.load - 1, worker.queued_units - size

@@ -30,11 +30,14 @@ class UpstreamError(ConnectionError):
     """The worker could not be reached, or hung up before the response was complete.
     `retryable`: safe to try elsewhere (nothing or a retryable status reached the worker's
     client side); `lost`: the connection died while the worker held the request (it may have
-    been the request that killed it, so it is retried at most once)."""
+    been the request that killed it, so it is retried at most once); `timed_out`: the worker
+    was too slow (connecting, answering, or between two bytes), a 504 rather than a 502."""
 
-    def __init__(self, message: str, retryable: bool = True, lost: bool = False) -> None:
+    def __init__(
+        self, message: str, retryable: bool = True, lost: bool = False, timed_out: bool = False
+    ) -> None:
         super().__init__(message)
-        self.retryable, self.lost = retryable, lost
+        self.retryable, self.lost, self.timed_out = retryable, lost, timed_out
 
 
 class _Stale(Exception):
@@ -259,11 +262,11 @@ class ConnectionPool:
             return
         now, loop = time.monotonic(), asyncio.get_running_loop()
         if deadline is not None and now >= deadline:
-            conn.fail(UpstreamError(f"{self.url} timed out", retryable=False))
+            conn.fail(UpstreamError(f"{self.url} timed out", retryable=False, timed_out=True))
             return
         if idle is not None and not conn.paused and now - conn.last >= idle:
             why = f"{self.url} sent nothing for {idle:g} s"
-            conn.fail(UpstreamError(why, retryable=False))
+            conn.fail(UpstreamError(why, retryable=False, timed_out=True))
             return
         wake = now + idle if idle is not None and conn.paused else conn.last + (idle or 1e9)
         wake = min(wake, deadline or wake)
@@ -277,7 +280,9 @@ class ConnectionPool:
                 self.connect_timeout,
             )
         except asyncio.TimeoutError:
-            raise UpstreamError(f"cannot connect to {self.url}: timed out") from None
+            raise UpstreamError(
+                f"cannot connect to {self.url}: timed out", timed_out=True
+            ) from None
         except OSError as exc:
             raise UpstreamError(f"cannot connect to {self.url}: {exc}") from exc
         return conn
