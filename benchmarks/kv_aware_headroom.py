@@ -1,0 +1,253 @@
+"""How much could precise KV knowledge add to routing hits? (issue 12, acceptance 4)
+
+Replays the kv_aware sweep's workloads (kv_aware_sweep.py: the committed Mooncake trace, and
+multi-turn chat) on the simulated fleet, and at every routing decision reads a precise index of
+what each engine holds (fed by the engines' own KV events), so that for each policy it reports:
+
+  hit           the engines' prefix hit rate (what the sweep reports)
+  best held     prompt tokens the best-placed engine held at dispatch (share of all prompt
+                tokens): what a router with perfect knowledge could have hit at that moment
+  chosen held   prompt tokens the chosen engine held at dispatch
+  headroom      best held - chosen held: the most precise knowledge can add to this
+                policy's decisions, with everything else (retention) unchanged
+
+Beside cache_aware and kv_aware it runs three diagnostic policies, defined here and registered
+only in this process (they are not router policies a user can pick):
+
+  cache_aware+upgrade   cache_aware, except that when the precise index says an eligible worker
+                        holds at least a quarter of the prompt more than cache_aware's pick, the
+                        request goes there: the guess corrected by the truth.
+  kv_aware+held         kv_aware, except that a request every eligible worker holds equally (a
+                        system prompt every engine has, nothing more) goes to the worker that
+                        holds the fewest tokens in all, plus half its queued prefill: the precise
+                        counterpart of cache_aware's smallest-tree placement.
+  kv_aware+held-evicting  the same, only while some eligible worker has removed a block (a
+                        BlockRemoved event) in the last EVICTING_SECS: holdings say little
+                        about live load while nothing is evicted.
+
+    python benchmarks/kv_aware_headroom.py [--points chat:0.1 mooncake:0.5] [--subsample S ...]
+
+Simulated on a virtual clock, so the figures repeat exactly on any machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Hashable, Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _machine import machine_line  # noqa: E402
+from kv_aware_sweep import PRESET, requests  # noqa: E402
+from radixserve.config import CacheConfig  # noqa: E402
+from radixserve.router.event_format import BlockRemoved, Event  # noqa: E402
+from radixserve.router.index import InMemoryIndex, PrefixIndex, block_keys  # noqa: E402
+from radixserve.router.kv_aware import KvAwarePolicy, prompt_size  # noqa: E402
+from radixserve.router.policies import (  # noqa: E402
+    CacheAwarePolicy,
+    RequestView,
+    RouterPolicy,
+    WorkerView,
+    healthy_indices,
+    register,
+)
+from radixserve.sim.cluster import ClusterConfig, ClusterSim  # noqa: E402
+from radixserve.sim.costmodel import get_cost_model  # noqa: E402
+from radixserve.sim.report import max_over_mean, percentile  # noqa: E402
+
+UPGRADE_SHARE = 0.25
+HELD_PENDING_WEIGHT = 0.5
+EVICTING_SECS = 2.0
+
+
+def held_now(
+    index: PrefixIndex, workers: Sequence[WorkerView], request: RequestView
+) -> dict[Hashable, int]:
+    """Leading prompt tokens each worker holds, from the precise index."""
+    tokens, memo = request.token_ids or [], {}
+
+    def keys_for(block_size: int) -> list[int]:
+        if block_size not in memo:
+            memo[block_size] = block_keys(tokens, block_size, request.kv_namespace)
+        return memo[block_size]
+
+    return index.prefix_tokens([w.id for w in workers], keys_for) if tokens else {}
+
+
+class Recorder:
+    """Per decision: prompt tokens, the most any worker held, what the chosen one held."""
+
+    def __init__(self) -> None:
+        self.prompt = self.best = self.chosen = 0
+
+    def record(self, held: dict[Hashable, int], size: int, chosen: Hashable) -> None:
+        self.prompt += size
+        self.best += max(held.values(), default=0)
+        self.chosen += held.get(chosen, 0)
+
+
+def probed(base: type[RouterPolicy], name: str) -> type[RouterPolicy]:
+    """`base`, with a precise index beside it (the simulator feeds any policy's PrefixIndex)
+    and every decision recorded against it."""
+
+    class Probed(base):  # type: ignore[valid-type, misc]
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)
+            if not isinstance(getattr(self, "index", None), PrefixIndex):
+                self.index = InMemoryIndex()
+            self.recorder = Recorder()
+
+        def select(self, workers: Sequence[WorkerView], request: RequestView, now: float) -> int:
+            pick = super().select(workers, request, now)
+            held = held_now(self.index, workers, request)
+            self.recorder.record(held, prompt_size(request), workers[pick].id)
+            return pick
+
+    register(name)(Probed)
+    return Probed
+
+
+class CacheAwareUpgrade(CacheAwarePolicy):
+    """cache_aware corrected by the truth: see the module docstring."""
+
+    index: PrefixIndex
+
+    def select(self, workers: Sequence[WorkerView], request: RequestView, now: float) -> int:
+        pick = super().select(workers, request, now)
+        healthy = healthy_indices(workers)
+        floor = min(workers[i].load for i in healthy)
+        eligible = [i for i in healthy if self._within_balance(workers[i].load, floor)]
+        held = held_now(self.index, [workers[i] for i in eligible], request)
+        best = max(eligible, key=lambda i: (held.get(workers[i].id, 0), -workers[i].load))
+        gain = held.get(workers[best].id, 0) - held.get(workers[pick].id, 0)
+        return best if gain > UPGRADE_SHARE * prompt_size(request) else pick
+
+
+class KvAwareHeld(KvAwarePolicy):
+    """kv_aware with precise smallest-holdings placement: see the module docstring."""
+
+    def select(self, workers: Sequence[WorkerView], request: RequestView, now: float) -> int:
+        pick = super().select(workers, request, now)
+        seen, cached = self._matches
+        eligible = self._eligible(workers)
+        if seen is not request or len(eligible) < 2 or not self.placing(workers, eligible, now):
+            return pick
+        levels = {cached.get(workers[i].id, 0) for i in eligible}
+        if len(levels) != 1 or not levels.pop():
+            return pick  # someone holds more, or nobody holds anything: kv_aware's own choice
+        blocks = self.index.blocks()
+
+        def footprint(i: int) -> float:
+            w = workers[i]
+            held = blocks.get(w.id, 0) * (self.index.block_size(w.id) or 16)
+            return held + HELD_PENDING_WEIGHT * self.pending(w)
+
+        return min(eligible, key=lambda i: (footprint(i), workers[i].load))
+
+    def placing(self, workers: Sequence[WorkerView], eligible: list[int], now: float) -> bool:
+        return True
+
+
+class KvAwareHeldEvicting(KvAwareHeld):
+    """KvAwareHeld while the fleet evicts: see the module docstring."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self._clock = 0.0  # the time of the latest decision (the index has no clock)
+        self._removed_at: dict[Hashable, float] = {}
+        apply = self.index.apply
+
+        def noting_removals(worker: Hashable, events: Iterable[Event]) -> None:
+            events = list(events)
+            if any(isinstance(e, BlockRemoved) for e in events):
+                self._removed_at[worker] = self._clock
+            apply(worker, events)
+
+        self.index.apply = noting_removals  # type: ignore[method-assign]
+
+    def select(self, workers: Sequence[WorkerView], request: RequestView, now: float) -> int:
+        self._clock = now
+        return super().select(workers, request, now)
+
+    def placing(self, workers: Sequence[WorkerView], eligible: list[int], now: float) -> bool:
+        removed = self._removed_at
+        return any(
+            now - removed.get(workers[i].id, -EVICTING_SECS) < EVICTING_SECS for i in eligible
+        )
+
+
+POLICIES = {
+    "cache_aware": probed(CacheAwarePolicy, "probe:cache_aware"),
+    "kv_aware": probed(KvAwarePolicy, "probe:kv_aware"),
+    "cache_aware+upgrade": probed(CacheAwareUpgrade, "probe:cache_aware+upgrade"),
+    "kv_aware+held": probed(KvAwareHeld, "probe:kv_aware+held"),
+    "kv_aware+held-evicting": probed(KvAwareHeldEvicting, "probe:kv_aware+held-evicting"),
+}
+
+
+def one(job: tuple[str, float, str, int]) -> dict:
+    workload, fraction, label, subsample = job
+    kv = int(get_cost_model(PRESET).kv_capacity_tokens * fraction)
+    sim = ClusterSim(
+        ClusterConfig(engines=8, router=f"probe:{label}", preset=PRESET),
+        cache_config=CacheConfig(max_total_tokens=kv),
+    )
+    res = sim.run(
+        requests(workload, None, subsample),
+        label,
+        block_tokens=512 if workload == "mooncake" else None,
+    )
+    assert res.num_unfinished == 0, "a request was lost"
+    rec = sim.policy.recorder
+    return {
+        "workload": workload, "kv": kv, "policy": label, "seed": subsample,
+        "hit": res.hit_rate, "best": rec.best / rec.prompt, "chosen": rec.chosen / rec.prompt,
+        "ttft_p99": percentile(sorted(res.ttft), 99),
+        "busy": max_over_mean([e.busy_s for e in res.engines]),
+    }  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--points", nargs="+", default=["chat:0.1", "mooncake:0.5"],
+        help="WORKLOAD:FRACTION of the preset's KV pool per engine",
+    )  # fmt: skip
+    parser.add_argument("--subsample", nargs="+", type=int, default=[0])
+    parser.add_argument("--jobs", type=int, default=2)
+    args = parser.parse_args()
+    points = []
+    for point in args.points:
+        workload, _, fraction = point.partition(":")
+        try:
+            share = float(fraction)
+        except ValueError:
+            share = 0.0
+        if workload not in ("chat", "mooncake") or not 0 < share <= 1:
+            parser.error(f"--points: {point!r} is not chat:F or mooncake:F with 0 < F <= 1")
+        points.append((workload, share))
+    print(machine_line())
+    print("fleet: 8 x", PRESET, "(simulated, virtual clock)")
+    jobs = [(w, f, p, s) for w, f in points for s in args.subsample for p in POLICIES]
+    print(
+        f"{'workload':9} {'KV/engine':>10} {'drop':>4}  {'policy':22} {'hit':>6} "
+        f"{'best held':>9} {'chosen held':>11} {'headroom':>8} {'TTFT p99 s':>10} {'busy':>5}"
+    )
+    with ProcessPoolExecutor(args.jobs) as pool:
+        for r in pool.map(one, jobs):
+            drop = f"s{r['seed']}" if r["seed"] else "-"
+            print(
+                f"{r['workload']:9} {r['kv']:>10,} {drop:>4}  {r['policy']:22} {r['hit']:6.1%} "
+                f"{r['best']:9.1%} {r['chosen']:11.1%} {(r['best'] - r['chosen']) * 100:+7.2f}pt "
+                f"{r['ttft_p99']:10.2f} {r['busy']:5.2f}",
+                flush=True,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
