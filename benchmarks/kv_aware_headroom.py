@@ -22,8 +22,9 @@ only in this process (they are not router policies a user can pick):
                         holds the fewest tokens in all, plus half its queued prefill: the precise
                         counterpart of cache_aware's smallest-tree placement.
   kv_aware+held-evicting  the same, only while some eligible worker has removed a block (a
-                        BlockRemoved event) in the last EVICTING_SECS: holdings say little
-                        about live load while nothing is evicted.
+                        BlockRemoved event) in the last EVICTING_SECS (a removal is dated at
+                        the latest decision before it: the index has no clock): holdings say
+                        little about live load while nothing is evicted.
 
     python benchmarks/kv_aware_headroom.py [--points chat:0.1 mooncake:0.5] [--subsample S ...]
 
