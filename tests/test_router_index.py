@@ -74,6 +74,18 @@ def test_clear_drop_and_block_size_change_forget_the_worker():
     assert index.blocks() == {}
 
 
+def test_removed_blocks_count_what_a_worker_really_removed():
+    index = InMemoryIndex()
+    index.apply("w", [stored([1, 2, 3], None, PROMPT[:12])])
+    assert index.removed_blocks("w") == 0
+    index.apply("w", [BlockRemoved((3, 2)), BlockRemoved((99,))])  # 99: never stored
+    assert index.removed_blocks("w") == 2 and index.blocks() == {"w": 1}
+    index.apply("w", [BlockRemoved((1,), "CPU")])  # an offloaded copy left: still held
+    assert index.removed_blocks("w") == 2
+    index.drop_worker("w")
+    assert index.removed_blocks("w") == 0
+
+
 def test_offloaded_media_do_not_count():
     index = InMemoryIndex()
     index.apply("w", [stored([1, 2], None, PROMPT[:8], medium="CPU")])

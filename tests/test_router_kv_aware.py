@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 from radixserve.router.event_format import BlockRemoved, BlockStored, namespace_string
-from radixserve.router.kv_aware import PENDING_WEIGHT, KvAwarePolicy
+from radixserve.router.kv_aware import (
+    EVICTING_SECS,
+    HELD_QUEUE_SPAN,
+    KEEP_SHARE,
+    PENDING_WEIGHT,
+    KvAwarePolicy,
+)
 from radixserve.router.policies import CachePolicyConfig, RequestView, WorkerView, create_policy
 
 BS = 16
@@ -155,3 +161,54 @@ def test_unhealthy_holder_is_not_picked_and_hit_rate_is_reported():
     assert policy.select(fleet(1), req2, 0.0) == 0
     policy.on_dispatch("w0", req2, 0.0)
     assert policy.expected_hit_rate() == 0.5
+
+
+def evicting_fleet(extra_blocks):
+    """Three workers that all hold SHARED, and `extra_blocks[i]` blocks of other prompts each;
+    w1 has the fewest requests running, so it is what the score picks among equal holders."""
+    policy = KvAwarePolicy()
+    for i, extra in enumerate(extra_blocks):
+        hold(policy, f"w{i}", SHARED + [50_000 + i] * extra * BS, tag=i)
+    workers = [WorkerView("w0", load=1), WorkerView("w1", load=0), WorkerView("w2", load=1)]
+    return policy, workers
+
+
+def test_while_evicting_a_shared_prompt_goes_to_the_worker_holding_least():
+    policy, workers = evicting_fleet([40, 20, 5])
+    session = view(SHARED + [7] * 2 * BS)  # all hold its first 8 blocks, none the rest
+    assert policy.select(workers, session, 10.0) == 1  # nothing evicted: the score decides
+    last = (0 << 20) + 8 + 39  # w0's last block: it evicts
+    policy.index.apply("w0", [BlockRemoved((last,))])
+    assert policy.select(workers, session, 10.5) == 2  # holds 13 blocks, the others 28, 47
+    assert policy.select(workers, session, 10.5 + EVICTING_SECS - 0.1) == 2
+    assert policy.select(workers, session, 10.5 + EVICTING_SECS) == 1  # the removal is old
+
+
+def test_placement_by_holdings_skips_long_queues_and_leaves_distinct_holders_alone():
+    policy, workers = evicting_fleet([200, 150, 0])
+    session = view(SHARED + [7] * 2 * BS)
+    span = HELD_QUEUE_SPAN * len(session.token_ids)
+    policy.index.apply("w1", [BlockRemoved(((1 << 20) + 8 + 149,))])
+    queued = view([60_000 + t for t in range(span)])  # w2's queue: one span over the shortest
+    policy.on_dispatch("w2", queued, 10.0)
+    assert policy.select(workers, session, 10.0) == 2  # within the span: smallest footprint
+    more = view([61_000])
+    policy.on_dispatch("w2", more, 10.0)
+    assert policy.select(workers, session, 10.0) == 1  # beyond it: the next smallest
+    # A worker that holds more of the prompt than the others is the score's to choose.
+    hold(policy, "w0", SHARED + [7] * 2 * BS, tag=9)
+    assert policy.select(workers, session, 10.0) == 0
+
+
+def test_spill_never_moves_a_request_off_a_worker_holding_nearly_all_of_it():
+    policy = KvAwarePolicy()
+    workers = fleet(2)
+    policy.select(workers, view([1] * BS), 0.0)  # both routable from the start
+    for k in range(12):  # w0 was sent 12 requests lately, w1 none: w0 is over its share
+        req = view([k * 1_000 + t for t in range(BS)])
+        policy.on_dispatch("w0", req, 0.0)
+        policy.on_complete("w0", req, 0.0)
+    hold(policy, "w0", SHARED)
+    assert KEEP_SHARE == 0.95
+    assert policy.select(workers, view(SHARED), 1.0) == 0  # holds all of it: stays
+    assert policy.select(workers, view(SHARED + [7] * 2 * BS), 1.0) == 1  # 80%: spilled

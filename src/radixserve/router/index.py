@@ -112,7 +112,13 @@ class PrefixIndex(ABC):
 
     @abstractmethod
     def blocks(self) -> dict[WorkerId, int]:
-        """Blocks held per known worker (for /metrics)."""
+        """Blocks held per known worker (for /metrics, and kv_aware's placement)."""
+
+    def removed_blocks(self, worker: WorkerId) -> int:
+        """Blocks `worker` has removed since it became known (BlockRemoved events that hit):
+        kv_aware compares it between decisions to tell a worker that is evicting. An index that
+        cannot tell (Redis, as the router reads it) answers 0 for all."""
+        return 0
 
 
 @dataclass(slots=True)
@@ -150,6 +156,7 @@ class InMemoryIndex(PrefixIndex):
 
     def __init__(self) -> None:
         self._workers: dict[WorkerId, _Worker] = {}
+        self._removed: dict[WorkerId, int] = {}
         self.stats = IndexStats()
 
     def apply(self, worker: WorkerId, events: Iterable[Event]) -> None:
@@ -168,6 +175,7 @@ class InMemoryIndex(PrefixIndex):
 
     def drop_worker(self, worker: WorkerId) -> None:
         self._workers.pop(worker, None)
+        self._removed.pop(worker, None)
 
     def block_size(self, worker: WorkerId) -> int | None:
         state = self._workers.get(worker)
@@ -185,6 +193,9 @@ class InMemoryIndex(PrefixIndex):
 
     def blocks(self) -> dict[WorkerId, int]:
         return {w: len(s.by_engine) for w, s in self._workers.items()}
+
+    def removed_blocks(self, worker: WorkerId) -> int:
+        return self._removed.get(worker, 0)
 
     def check_integrity(self) -> None:
         """Recount every worker's key references from its engine-hash map."""
@@ -219,7 +230,10 @@ class InMemoryIndex(PrefixIndex):
         state = self._workers.get(worker)
         if state is None or event.medium not in DEVICE_MEDIA:
             return
-        self.stats.removed += sum(map(state.discard, event.block_hashes))
+        n = sum(map(state.discard, event.block_hashes))
+        if n:
+            self.stats.removed += n
+            self._removed[worker] = self._removed.get(worker, 0) + n
 
 
 def _learned_block_size(event: BlockStored) -> int:
