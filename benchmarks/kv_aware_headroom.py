@@ -17,14 +17,12 @@ only in this process (they are not router policies a user can pick):
   cache_aware+upgrade   cache_aware, except that when the precise index says an eligible worker
                         holds at least a quarter of the prompt more than cache_aware's pick, the
                         request goes there: the guess corrected by the truth.
-  kv_aware+held         kv_aware, except that a request every eligible worker holds equally (a
-                        system prompt every engine has, nothing more) goes to the worker that
-                        holds the fewest tokens in all, plus half its queued prefill: the precise
-                        counterpart of cache_aware's smallest-tree placement.
-  kv_aware+held-evicting  the same, only while some eligible worker has removed a block (a
-                        BlockRemoved event) in the last EVICTING_SECS (a removal is dated at
-                        the latest decision before it: the index has no clock): holdings say
-                        little about live load while nothing is evicted.
+  kv_aware-placement    kv_aware without its placement while evicting (router/kv_aware.py): a
+                        request every eligible worker holds equally goes where the score sends
+                        it (the least queued worker), evicting or not.
+  kv_aware+held         kv_aware with that placement at every size, evicting or not: such a
+                        request goes to the worker holding the fewest tokens (plus half its
+                        queued prefill), the precise counterpart of cache_aware's smallest tree.
 
     python benchmarks/kv_aware_headroom.py [--points chat:0.1 mooncake:0.5] [--subsample S ...]
 
@@ -35,7 +33,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -45,7 +43,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _machine import machine_line  # noqa: E402
 from kv_aware_sweep import PRESET, requests  # noqa: E402
 from radixserve.config import CacheConfig  # noqa: E402
-from radixserve.router.event_format import BlockRemoved, Event  # noqa: E402
 from radixserve.router.index import InMemoryIndex, PrefixIndex, block_keys  # noqa: E402
 from radixserve.router.kv_aware import KvAwarePolicy, prompt_size  # noqa: E402
 from radixserve.router.policies import (  # noqa: E402
@@ -61,8 +58,6 @@ from radixserve.sim.costmodel import get_cost_model  # noqa: E402
 from radixserve.sim.report import max_over_mean, percentile  # noqa: E402
 
 UPGRADE_SHARE = 0.25
-HELD_PENDING_WEIGHT = 0.5
-EVICTING_SECS = 2.0
 
 
 def held_now(
@@ -128,65 +123,26 @@ class CacheAwareUpgrade(CacheAwarePolicy):
         return best if gain > UPGRADE_SHARE * prompt_size(request) else pick
 
 
+class KvAwareNoPlacement(KvAwarePolicy):
+    """kv_aware without its placement while evicting: see the module docstring."""
+
+    def _place_while_evicting(self, *args: object) -> int | None:
+        return None
+
+
 class KvAwareHeld(KvAwarePolicy):
-    """kv_aware with precise smallest-holdings placement: see the module docstring."""
+    """kv_aware placing by holdings whether or not the fleet evicts."""
 
-    def select(self, workers: Sequence[WorkerView], request: RequestView, now: float) -> int:
-        pick = super().select(workers, request, now)
-        seen, cached = self._matches
-        eligible = self._eligible(workers)
-        if seen is not request or len(eligible) < 2 or not self.placing(workers, eligible, now):
-            return pick
-        levels = {cached.get(workers[i].id, 0) for i in eligible}
-        if len(levels) != 1 or not levels.pop():
-            return pick  # someone holds more, or nobody holds anything: kv_aware's own choice
-        blocks = self.index.blocks()
-
-        def footprint(i: int) -> float:
-            w = workers[i]
-            held = blocks.get(w.id, 0) * (self.index.block_size(w.id) or 16)
-            return held + HELD_PENDING_WEIGHT * self.pending(w)
-
-        return min(eligible, key=lambda i: (footprint(i), workers[i].load))
-
-    def placing(self, workers: Sequence[WorkerView], eligible: list[int], now: float) -> bool:
+    def _evicting(self, worker: Hashable, now: float) -> bool:
         return True
-
-
-class KvAwareHeldEvicting(KvAwareHeld):
-    """KvAwareHeld while the fleet evicts: see the module docstring."""
-
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)
-        self._clock = 0.0  # the time of the latest decision (the index has no clock)
-        self._removed_at: dict[Hashable, float] = {}
-        apply = self.index.apply
-
-        def noting_removals(worker: Hashable, events: Iterable[Event]) -> None:
-            events = list(events)
-            if any(isinstance(e, BlockRemoved) for e in events):
-                self._removed_at[worker] = self._clock
-            apply(worker, events)
-
-        self.index.apply = noting_removals  # type: ignore[method-assign]
-
-    def select(self, workers: Sequence[WorkerView], request: RequestView, now: float) -> int:
-        self._clock = now
-        return super().select(workers, request, now)
-
-    def placing(self, workers: Sequence[WorkerView], eligible: list[int], now: float) -> bool:
-        removed = self._removed_at
-        return any(
-            now - removed.get(workers[i].id, -EVICTING_SECS) < EVICTING_SECS for i in eligible
-        )
 
 
 POLICIES = {
     "cache_aware": probed(CacheAwarePolicy, "probe:cache_aware"),
     "kv_aware": probed(KvAwarePolicy, "probe:kv_aware"),
     "cache_aware+upgrade": probed(CacheAwareUpgrade, "probe:cache_aware+upgrade"),
+    "kv_aware-placement": probed(KvAwareNoPlacement, "probe:kv_aware-placement"),
     "kv_aware+held": probed(KvAwareHeld, "probe:kv_aware+held"),
-    "kv_aware+held-evicting": probed(KvAwareHeldEvicting, "probe:kv_aware+held-evicting"),
 }
 
 

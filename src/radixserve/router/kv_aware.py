@@ -34,13 +34,14 @@ Registered as `--policy kv_aware`; pure (no I/O, no clock)."""
 # change of that count at the decision that sees it), such a request instead goes to the worker
 # with the smallest footprint: tokens it holds (the index's blocks times its block size) plus
 # HELD_PENDING_WEIGHT x its queued prefill, among workers whose queue is within
-# HELD_QUEUE_SPAN prompts of the shortest. Under eviction pressure every pool is full of what it
-# last served, and a new session placed on the worker holding least evicts least of what others'
-# next turns will hit: on simulated multi-turn chat at a tenth of the KV pool this is worth 1.2-
-# 2.6 points of hit rate over cache_aware, at a lower TTFT p99 (benchmarks/kv_aware_sweep.py).
-# While nothing is evicted, holdings count finished sessions rather than live ones, and the
-# same rule lost 1.5 points. It needs per-worker holdings, which the in-memory index has; an
-# index that reports none (Redis, as the router reads it) leaves the score to decide.
+# HELD_QUEUE_SPAN prompts of the shortest. Under eviction pressure the worker holding least has
+# the most room, so a new session placed there evicts least of what other sessions' next turns
+# will hit: on simulated multi-turn chat at a tenth of the KV pool this took kv_aware from
+# 1.1-2.4 points below cache_aware to 1.1-3.3 above, at a lower TTFT p99
+# (benchmarks/kv_aware_sweep.py). While nothing is evicted, holdings count finished sessions
+# rather than live ones: applied then too, the rule lost 2.3 points at a quarter of the pool
+# (benchmarks/kv_aware_headroom.py). It needs per-worker holdings, which the in-memory index
+# has; an index that reports none (Redis, as the router reads it) leaves the score to decide.
 #
 # Both terms are tokens of prefill work. Llumnix adds them as they are (a hit worth exactly the
 # prefill it saves); here queued tokens weigh PENDING_WEIGHT (1/4), because a miss also copies
@@ -109,7 +110,8 @@ HELD_PENDING_WEIGHT = 0.5
 HELD_QUEUE_SPAN = 8
 """Placement by holdings skips workers whose queued prefill exceeds the shortest queue by more
 than this many prompts: on chat at a tenth of the pool, without it TTFT p99 rose above
-cache_aware's (1.45 s against 1.30 s); 1 or 2 prompts gave back half the hit-rate gain."""
+cache_aware's (1.45 s against 1.30 s); spans of 0.5-2 prompts gave back 0.7-2.2 of the 3.3
+points it gained there."""
 INFLIGHT_BLOCK = 16
 """Block size for in-flight prompts on a worker whose events have not told one yet."""
 
