@@ -19,6 +19,7 @@ from radixserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from radixserve.engine.kv_events import KVEventsConfig
 from radixserve.engine.procutil import Endpoints
 from radixserve.engine.tokenizer_spec import TokenizerSpec
+from radixserve.sim.workloads import SIM_VOCAB_SIZE
 
 START_TIMEOUT_S = 600.0
 
@@ -29,7 +30,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     sched: SchedulerConfig = field(default_factory=SchedulerConfig)
     sim: str | None = None  # a cost-model preset: simulated runner, real time
-    sim_vocab_size: int = 32000  # the simulated tokenizer's vocabulary
+    sim_vocab_size: int = SIM_VOCAB_SIZE  # the simulated tokenizer's vocabulary
     kv_events: KVEventsConfig | None = None  # publish KV-cache events (engine/kv_events.py)
 
     def __post_init__(self) -> None:

@@ -6,13 +6,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from radixserve.sim.workloads import SIM_VOCAB_SIZE
+
 
 @dataclass(frozen=True, slots=True)
 class TokenizerSpec:
     kind: str  # "hf" or "sim"
     model_dir: str | None = None
     context_length: int | None = None
-    vocab_size: int = 32000
+    vocab_size: int = SIM_VOCAB_SIZE
 
     def load(self) -> Any:
         if self.kind == "sim":

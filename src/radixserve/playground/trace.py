@@ -10,7 +10,7 @@ from typing import Any
 from radixserve.config import CacheConfig, SchedulerConfig
 from radixserve.playground.runs import CLUSTER
 from radixserve.sim.cluster import ClusterSim
-from radixserve.sim.workloads import WorkloadRequest
+from radixserve.sim.workloads import SIM_VOCAB_SIZE, WorkloadRequest
 
 SYSTEM_LEN, QUESTION_LEN, OUTPUT_LEN = 1024, 32, 16
 ROOM = 4  # requests the KV pool holds at once (prompt and output)
@@ -21,11 +21,11 @@ def trace_requests() -> list[WorkloadRequest]:
     """A1, B1, A2, B2, A3, B3, in that order, all at time 0: all six wait when the engine
     first picks."""
     rng = random.Random(0)
-    systems = {k: [rng.randrange(32000) for _ in range(SYSTEM_LEN)] for k in "AB"}
+    systems = {k: [rng.randrange(SIM_VOCAB_SIZE) for _ in range(SYSTEM_LEN)] for k in "AB"}
     out, seen = [], {"A": 0, "B": 0}
     for k in ORDER:
         seen[k] += 1
-        question = [rng.randrange(32000) for _ in range(QUESTION_LEN)]
+        question = [rng.randrange(SIM_VOCAB_SIZE) for _ in range(QUESTION_LEN)]
         rid = f"{k}{seen[k]}"
         out.append(WorkloadRequest(rid, 0.0, systems[k] + question, OUTPUT_LEN, group=k))
     return out

@@ -39,7 +39,7 @@ def load_tokenizer(path: str, vocab_size: int | None = None) -> Tokenizer:
     if path.startswith("sim:"):
         from radixserve.sim.tokenizer import SimTokenizer
 
-        return SimTokenizer(vocab_size or 32000)
+        return SimTokenizer(vocab_size) if vocab_size else SimTokenizer()
     from radixserve.config import ModelConfig
     from radixserve.modelfiles.locate import resolve_model_dir
     from radixserve.modelfiles.tokenizer import load_model_info

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixserve.sim.workloads import SIM_VOCAB_SIZE
+
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
@@ -19,7 +21,8 @@ class ServerConfig:
         None, "simulate the model with this cost-model preset (e.g. tiny-cpu), in real time"
     )
     sim_vocab_size: int = _f(
-        32000, "with --sim: token ids of the simulated tokenizer are in [0, N) (N - 1: EOS)"
+        SIM_VOCAB_SIZE,
+        "with --sim: token ids of the simulated tokenizer are in [0, N) (N - 1: EOS)",
     )
     served_model_name: str | None = _f(
         None, "the model name clients send and see (default: the model's own name)"
@@ -44,7 +47,7 @@ class ServerConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.sim_vocab_size != 32000 and self.sim is None:  # refused, not silently ignored
+        if self.sim_vocab_size != SIM_VOCAB_SIZE and self.sim is None:  # refused, not ignored
             raise ValueError("--sim-vocab-size needs --sim (a real model has its own vocabulary)")
         if self.sim is not None:  # an unknown preset: one line here, not a scheduler traceback
             from radixserve.sim.costmodel import get_cost_model

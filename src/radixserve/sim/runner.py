@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from radixserve.sched.batch import Batch, StepResult
 from radixserve.sim.costmodel import CostModel, StepEntry, get_cost_model
+from radixserve.sim.workloads import SIM_VOCAB_SIZE
 
 _MASK64 = (1 << 64) - 1
 
@@ -25,7 +26,7 @@ class SimRunner:
     def __init__(
         self,
         cost_model: str | CostModel = "tiny-cpu",
-        vocab_size: int = 32000,
+        vocab_size: int = SIM_VOCAB_SIZE,
         seed: int = 0,
         eos_token_id: int | None = None,
         eos_prob: float = 0.0,

@@ -12,13 +12,13 @@ from typing import Any
 
 import xxhash
 
-from radixserve.sim.workloads import parse_text, render_text
+from radixserve.sim.workloads import SIM_VOCAB_SIZE, parse_text, render_text
 
 
 class SimTokenizer:
     """The ModelInfo interface (encode, decode, chat template, special ids) without a model."""
 
-    def __init__(self, vocab_size: int = 32000, context_length: int = 131072) -> None:
+    def __init__(self, vocab_size: int = SIM_VOCAB_SIZE, context_length: int = 131072) -> None:
         self.vocab_size = vocab_size
         self.context_length = context_length
         self.eos_token_ids: tuple[int, ...] = (vocab_size - 1,)

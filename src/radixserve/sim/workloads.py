@@ -15,6 +15,9 @@ from typing import Any
 
 from radixserve.sim.trace_tokens import TRACE_BLOCK_TOKENS, TraceTokens
 
+SIM_VOCAB_SIZE = 32000
+"""Token ids of simulated workloads and of the simulated tokenizer are in [0, SIM_VOCAB_SIZE)."""
+
 ReplyFn = Callable[[list[int], int], list[int]]  # (prompt ids, n) -> the assistant's n tokens
 
 
@@ -99,7 +102,7 @@ class SharedPrefixConfig:
     range_ratio: float = _opt(1.0, "lengths drawn uniformly from [ratio * len, len]")
     ordered: bool = _opt(False, "keep group order instead of shuffling the requests")
     request_rate: float = _opt(math.inf, "Poisson arrivals per second (inf: all at time 0)")
-    vocab_size: int = _opt(32000, "token ids are drawn from [0, vocab_size)")
+    vocab_size: int = _opt(SIM_VOCAB_SIZE, "token ids are drawn from [0, vocab_size)")
     seed: int = _opt(0, "seed of the generator")
 
     def __post_init__(self) -> None:
@@ -145,7 +148,7 @@ class MultiTurnConfig:
     output_len: int = _opt(128, "tokens of each assistant reply")
     think_time_s: float = _opt(2.0, "seconds between a turn and the session's next one")
     request_rate: float = _opt(math.inf, "sessions started per second, Poisson (inf: all at 0)")
-    vocab_size: int = _opt(32000, "token ids are drawn from [0, vocab_size)")
+    vocab_size: int = _opt(SIM_VOCAB_SIZE, "token ids are drawn from [0, vocab_size)")
     seed: int = _opt(0, "seed of the generator")
 
     def __post_init__(self) -> None:
@@ -213,7 +216,7 @@ class PrefixMixConfig:
     question_len: int = _opt(16, "tokens after the system prompt")
     output_len: int = _opt(8, "tokens to generate per request")
     request_rate: float = _opt(100.0, "Poisson arrivals per second (inf: all at time 0)")
-    vocab_size: int = _opt(32000, "token ids are drawn from [0, vocab_size)")
+    vocab_size: int = _opt(SIM_VOCAB_SIZE, "token ids are drawn from [0, vocab_size)")
     seed: int = _opt(0, "seed of the generator")
 
     def __post_init__(self) -> None:
@@ -266,7 +269,7 @@ class TraceConfig:
     limit: int | None = _opt(None, "replay only the first N requests")
     request_rate: float | None = _opt(None, "Poisson arrivals per second (None: trace times)")
     block_tokens: int = _opt(512, "tokens generated per 512-token block (less shrinks prompts)")
-    vocab_size: int = _opt(32000, "token ids are drawn from [0, vocab_size - 1)")
+    vocab_size: int = _opt(SIM_VOCAB_SIZE, "token ids are drawn from [0, vocab_size - 1)")
     seed: int = _opt(0, "seed of the Poisson arrivals")
 
     def __post_init__(self) -> None:
