@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _machine import machine_line  # noqa: E402
 from kv_aware_sweep import PRESET, requests  # noqa: E402
 from radixserve.config import CacheConfig  # noqa: E402
-from radixserve.router.index import InMemoryIndex, PrefixIndex, block_keys  # noqa: E402
+from radixserve.router.index import InMemoryIndex, PrefixIndex, keys_by_size  # noqa: E402
 from radixserve.router.kv_aware import KvAwarePolicy, prompt_size  # noqa: E402
 from radixserve.router.policies import (  # noqa: E402
     CacheAwarePolicy,
@@ -64,14 +64,10 @@ def held_now(
     index: PrefixIndex, workers: Sequence[WorkerView], request: RequestView
 ) -> dict[Hashable, int]:
     """Leading prompt tokens each worker holds, from the precise index."""
-    tokens, memo = request.token_ids or [], {}
-
-    def keys_for(block_size: int) -> list[int]:
-        if block_size not in memo:
-            memo[block_size] = block_keys(tokens, block_size, request.kv_namespace)
-        return memo[block_size]
-
-    return index.prefix_tokens([w.id for w in workers], keys_for) if tokens else {}
+    if not request.token_ids:
+        return {}
+    keys_for = keys_by_size(request.token_ids, request.kv_namespace)
+    return index.prefix_tokens([w.id for w in workers], keys_for)
 
 
 class Recorder:

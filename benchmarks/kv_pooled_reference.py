@@ -40,10 +40,10 @@ def main() -> int:
     print(machine_line())
     print(f"trace: {TRACE.name}; fleet: {args.engines} x {PRESET}, pooled into one LRU cache")
     print(f"{'KV/engine':>10} {'fleet KV':>11} {'drop':>4}  {'pooled LRU hit':>14}")
+    workloads = {seed: requests("mooncake", None, seed) for seed in args.subsample}
     for fraction in args.fractions:
         per_engine = int(pool * fraction)
-        for seed in args.subsample:
-            reqs = requests("mooncake", None, seed)
+        for seed, reqs in workloads.items():
             rate = lru_hit_rate(reqs, 1, per_engine * args.engines, lambda r: 0)
             drop = f"s{seed}" if seed else "-"
             print(f"{per_engine:>10,} {per_engine * args.engines:>11,} {drop:>4}  {rate:14.1%}")

@@ -212,3 +212,25 @@ def test_spill_never_moves_a_request_off_a_worker_holding_nearly_all_of_it():
     assert KEEP_SHARE == 0.95
     assert policy.select(workers, view(SHARED), 1.0) == 0  # holds all of it: stays
     assert policy.select(workers, view(SHARED + [7] * 2 * BS), 1.0) == 1  # 80%: spilled
+
+
+def test_a_prompt_is_hashed_once_for_the_lookup_and_the_dispatch(monkeypatch):
+    import radixserve.router.index as index_module
+
+    calls = []
+    real = index_module.block_keys
+
+    def counting(token_ids, block_size, namespace=""):
+        calls.append(block_size)
+        return real(token_ids, block_size, namespace)
+
+    monkeypatch.setattr(index_module, "block_keys", counting)
+    policy = KvAwarePolicy()
+    hold(policy, "w0", SHARED)
+    req = view(SHARED + [7] * 2 * BS)
+    i = policy.select(fleet(), req, 0.0)
+    policy.on_dispatch(f"w{i}", req, 0.0)
+    assert calls == [BS]  # one block size, hashed once for both
+    other = view(SHARED + [8] * 2 * BS)
+    policy.on_dispatch(f"w{policy.select(fleet(), other, 0.0)}", other, 0.0)
+    assert calls == [BS, BS]  # the next request is hashed anew

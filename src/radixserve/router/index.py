@@ -51,6 +51,20 @@ def block_keys(token_ids: Sequence[int], block_size: int, namespace: str = "") -
     return block_hashes(token_ids, block_size, KEY_ALGORITHM, KEY_SEED, namespace)
 
 
+def keys_by_size(token_ids: Sequence[int], namespace: str = "") -> Callable[[int], list[BlockKey]]:
+    """block_keys of one prompt at whatever block size is asked, each size hashed once: the
+    `keys_for` that prefix_tokens takes."""
+    memo: dict[int, list[BlockKey]] = {}
+
+    def keys_for(block_size: int) -> list[BlockKey]:
+        keys = memo.get(block_size)
+        if keys is None:
+            keys = memo[block_size] = block_keys(token_ids, block_size, namespace)
+        return keys
+
+    return keys_for
+
+
 def run_length(keys: Sequence[BlockKey], held: Container[BlockKey]) -> int:
     """How many of `keys`, from the first, are all in `held` (a contiguous prefix)."""
     n = 0

@@ -72,9 +72,9 @@ Registered as `--policy kv_aware`; pure (no I/O, no clock)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
-from radixserve.router.index import InMemoryIndex, PrefixIndex, block_keys, run_length
+from radixserve.router.index import InMemoryIndex, PrefixIndex, keys_by_size, run_length
 from radixserve.router.keys import units
 from radixserve.router.policies import (
     CachePolicyConfig,
@@ -88,6 +88,7 @@ from radixserve.router.shares import DispatchShares
 from radixserve.router.tree import NODE_UNITS, MultiTenantTree
 
 _Record = tuple[float, int]  # (dispatched at, uncached tokens)
+KeysFor = Callable[[int], list[int]]  # block size -> the prompt's block keys at that size
 KV_SPILL_MIN_EXCESS = 4
 """Recent dispatches above the mean at or below which kv_aware never spills (cache_aware's
 SPILL_MIN_EXCESS is 36). Its score already spreads new prefixes by prefill work, so a spill
@@ -130,7 +131,9 @@ class KvAwarePolicy(RouterPolicy):
         self.index = index if index is not None else InMemoryIndex()
         self.tree = MultiTenantTree(node_units=NODE_UNITS)  # the fallback's approximate view
         self._pending: dict[Hashable, dict[int, _Record]] = {}
+        # the last request select() looked up: what each worker holds of it, its block keys
         self._matches: tuple[RequestView | None, dict[Hashable, int]] = (None, {})
+        self._keys: tuple[RequestView | None, KeysFor] = (None, keys_by_size(()))
         self.matched_tokens = self.prompt_tokens = 0
         self._shares = DispatchShares()
         self._published: set[Hashable] = set()  # workers the index has ever known
@@ -237,16 +240,15 @@ class KvAwarePolicy(RouterPolicy):
         self._pending.setdefault(worker_id, {})[id(request)] = (now, size - hit)
         if request.token_ids is not None:
             bs = self.index.block_size(worker_id) or INFLIGHT_BLOCK
-            keys = block_keys(request.token_ids, bs, request.kv_namespace)
-            self._flight.add(worker_id, id(request), bs, keys)
+            self._flight.add(worker_id, id(request), bs, self._keys_for(request)(bs))
         self._shares.record(worker_id)
         self.matched_tokens += hit
         self.prompt_tokens += size
         if request.key:
             self.tree.insert(request.key, worker_id, now, request.namespace)
-            cap = self.config.max_tree_size
-            if self.config.eviction_interval_secs > 0 and self.tree.cost(worker_id) > cap:
-                self.tree.evict_tenant_by_cost(cap - cap // 8)
+            cfg = self.config
+            if cfg.eviction_interval_secs > 0 and self.tree.cost(worker_id) > cfg.max_tree_size:
+                self.tree.evict_tenant_by_cost(cfg.tree_evict_target)
 
     def on_complete(self, worker_id: Hashable, request: RequestView, now: float) -> None:
         records = self._pending.get(worker_id)
@@ -305,13 +307,7 @@ class KvAwarePolicy(RouterPolicy):
         ids = [workers[i].id for i in among]
         out: dict[Hashable, int] = {}
         tokens = request.token_ids
-        memo: dict[int, list[int]] = {}
-
-        def keys_for(block_size: int) -> list[int]:
-            if block_size not in memo:
-                memo[block_size] = block_keys(tokens, block_size, request.kv_namespace)
-            return memo[block_size]
-
+        keys_for = self._keys_for(request)
         if tokens is not None and len(tokens):
             out = self.index.prefix_tokens(ids, keys_for)
         self._published.update(out)
@@ -329,6 +325,15 @@ class KvAwarePolicy(RouterPolicy):
                 if bs:
                     out[w] = max(out.get(w, 0), self._flight.run_length(w, keys_for(bs)) * bs)
         return out
+
+    def _keys_for(self, request: RequestView) -> KeysFor:
+        """The request's block keys at any block size, hashed once per size for the lookup
+        and the dispatch hook together."""
+        seen, keys_for = self._keys
+        if seen is not request:
+            keys_for = keys_by_size(request.token_ids or (), request.kv_namespace)
+            self._keys = (request, keys_for)
+        return keys_for
 
 
 class InFlightBlocks:

@@ -51,6 +51,12 @@ class CachePolicyConfig:
         if self.cache_aware_scheduling_min_tokens < 0:
             raise ValueError("cache_aware_scheduling_min_tokens must be >= 0")
 
+    @property
+    def tree_evict_target(self) -> int:
+        """What an eviction trims a worker's approximate tree to: 7/8 of max_tree_size (the
+        headroom amortises a walk over the whole tree)."""
+        return self.max_tree_size - self.max_tree_size // 8
+
     @classmethod
     def taken_from(cls, settings: object) -> CachePolicyConfig:
         """The policy's settings out of a larger config that mirrors its fields as flags."""
@@ -338,16 +344,12 @@ class CacheAwarePolicy(RouterPolicy):
         if self.defer_eviction:
             self.evict_due = True
         else:
-            self.tree.evict_tenant_by_cost(self._evict_to())
+            self.tree.evict_tenant_by_cost(self.config.tree_evict_target)
 
     def eviction_slices(self) -> Iterator[int]:
         """The deferred eviction, in slices of bounded work (see MultiTenantTree)."""
         self.evict_due = False
-        return self.tree.evict_in_slices(self._evict_to())
-
-    def _evict_to(self) -> int:
-        cap = self.config.max_tree_size
-        return cap - cap // 8  # 7/8: the headroom amortises the walk over the whole tree
+        return self.tree.evict_in_slices(self.config.tree_evict_target)
 
     def expected_hit_rate(self) -> float:
         """Share of dispatched key units that the chosen worker already held."""
