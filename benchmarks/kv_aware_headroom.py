@@ -10,6 +10,9 @@ what each engine holds (fed by the engines' own KV events), so that for each pol
   chosen held   prompt tokens the chosen engine held at dispatch
   headroom      best held - chosen held: the most precise knowledge can add to this
                 policy's decisions, with everything else (retention) unchanged
+  copies        blocks held by more than one engine, as a share of all blocks held (sampled
+                every SAMPLE_EVERY decisions): KV the fleet spends on duplicates rather than
+                on more prefixes. Near zero, no routing can free room for more hits.
 
 Beside cache_aware and kv_aware it runs three diagnostic policies, defined here and registered
 only in this process (they are not router policies a user can pick):
@@ -58,6 +61,7 @@ from radixserve.sim.costmodel import get_cost_model  # noqa: E402
 from radixserve.sim.report import max_over_mean, percentile  # noqa: E402
 
 UPGRADE_SHARE = 0.25
+SAMPLE_EVERY = 16
 
 
 def held_now(
@@ -75,11 +79,23 @@ class Recorder:
 
     def __init__(self) -> None:
         self.prompt = self.best = self.chosen = 0
+        self.decisions = self.held_blocks = self.distinct_blocks = 0
 
     def record(self, held: dict[Hashable, int], size: int, chosen: Hashable) -> None:
         self.prompt += size
         self.best += max(held.values(), default=0)
         self.chosen += held.get(chosen, 0)
+
+    def sample(self, index: InMemoryIndex) -> None:
+        """Every SAMPLE_EVERY decisions, add up blocks held and distinct blocks held."""
+        self.decisions += 1
+        if self.decisions % SAMPLE_EVERY == 0:
+            self.held_blocks += sum(index.blocks().values())
+            self.distinct_blocks += index.distinct_blocks()
+
+    def copies(self) -> float:
+        """Share of held blocks that are a second (or later) copy of a block."""
+        return 1.0 - self.distinct_blocks / self.held_blocks if self.held_blocks else 0.0
 
 
 def probed(base: type[RouterPolicy], name: str) -> type[RouterPolicy]:
@@ -97,6 +113,8 @@ def probed(base: type[RouterPolicy], name: str) -> type[RouterPolicy]:
             pick = super().select(workers, request, now)
             held = held_now(self.index, workers, request)
             self.recorder.record(held, prompt_size(request), workers[pick].id)
+            if isinstance(self.index, InMemoryIndex):
+                self.recorder.sample(self.index)
             return pick
 
     register(name)(Probed)
@@ -159,7 +177,7 @@ def one(job: tuple[str, float, str, int]) -> dict:
     return {
         "workload": workload, "kv": kv, "policy": label, "seed": subsample,
         "hit": res.hit_rate, "best": rec.best / rec.prompt, "chosen": rec.chosen / rec.prompt,
-        "ttft_p99": percentile(sorted(res.ttft), 99),
+        "copies": rec.copies(), "ttft_p99": percentile(sorted(res.ttft), 99),
         "busy": max_over_mean([e.busy_s for e in res.engines]),
     }  # fmt: skip
 
@@ -188,7 +206,8 @@ def main() -> int:
     jobs = [(w, f, p, s) for w, f in points for s in args.subsample for p in POLICIES]
     print(
         f"{'workload':9} {'KV/engine':>10} {'drop':>4}  {'policy':22} {'hit':>6} "
-        f"{'best held':>9} {'chosen held':>11} {'headroom':>8} {'TTFT p99 s':>10} {'busy':>5}"
+        f"{'best held':>9} {'chosen held':>11} {'headroom':>8} {'copies':>6} {'TTFT p99 s':>10} "
+        f"{'busy':>5}"
     )
     with ProcessPoolExecutor(args.jobs) as pool:
         for r in pool.map(one, jobs):
@@ -196,7 +215,7 @@ def main() -> int:
             print(
                 f"{r['workload']:9} {r['kv']:>10,} {drop:>4}  {r['policy']:22} {r['hit']:6.1%} "
                 f"{r['best']:9.1%} {r['chosen']:11.1%} {(r['best'] - r['chosen']) * 100:+7.2f}pt "
-                f"{r['ttft_p99']:10.2f} {r['busy']:5.2f}",
+                f"{r['copies']:6.1%} {r['ttft_p99']:10.2f} {r['busy']:5.2f}",
                 flush=True,
             )
     return 0

@@ -86,6 +86,16 @@ def test_removed_blocks_count_what_a_worker_really_removed():
     assert index.removed_blocks("w") == 0
 
 
+def test_distinct_blocks_count_a_block_held_twice_once():
+    index = InMemoryIndex()
+    index.apply("a", [stored([1, 2, 3], None, PROMPT[:12])])
+    index.apply("b", [stored([7, 8], None, PROMPT[:8])])  # its own hashes, the same tokens
+    index.apply("b", [stored([9], None, PROMPT[20:24])])
+    assert index.blocks() == {"a": 3, "b": 3} and index.distinct_blocks() == 4
+    index.apply("a", [BlockRemoved((3, 2))])
+    assert index.distinct_blocks() == 3
+
+
 def test_offloaded_media_do_not_count():
     index = InMemoryIndex()
     index.apply("w", [stored([1, 2], None, PROMPT[:8], medium="CPU")])

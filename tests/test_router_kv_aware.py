@@ -141,11 +141,18 @@ def test_workers_without_events_are_scored_from_the_approximate_tree():
     assert policy.select(fleet(), view(SHARED), 1.0) == 2
 
 
-def test_overloaded_holder_is_skipped_and_removal_forgets():
+def test_overloaded_holder_is_skipped_unless_it_holds_nearly_all_and_removal_forgets():
     policy = KvAwarePolicy(CachePolicyConfig(balance_abs_threshold=4, balance_rel_threshold=1.5))
     hold(policy, "w0", SHARED)
     workers = [WorkerView("w0", load=10), WorkerView("w1", load=1)]
-    assert policy.select(workers, view(SHARED), 0.0) == 1
+    assert policy.select(workers, view(SHARED + [7] * 2 * BS), 0.0) == 1  # holds 80%: skipped
+    assert policy.select(workers, view(SHARED), 0.0) == 0  # holds all of it: stays eligible
+    # busier than the mean by more than Poisson noise (the ceiling), not overloaded
+    crowd = [WorkerView("w0", load=30)] + [WorkerView(f"w{i}", load=10) for i in range(1, 8)]
+    policy = KvAwarePolicy()
+    hold(policy, "w0", SHARED)
+    assert policy.select(crowd, view(SHARED + [7] * 2 * BS), 0.0) != 0
+    assert policy.select(crowd, view(SHARED), 0.0) == 0
     policy.on_worker_removed("w0")
     assert policy.index.blocks() == {}
 

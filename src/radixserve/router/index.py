@@ -211,6 +211,14 @@ class InMemoryIndex(PrefixIndex):
     def removed_blocks(self, worker: WorkerId) -> int:
         return self._removed.get(worker, 0)
 
+    def distinct_blocks(self) -> int:
+        """Blocks held by at least one worker: the fleet's distinct KV (sum(blocks()) counts a
+        block once per worker holding it). A walk of every worker's blocks, for reports."""
+        keys: set[BlockKey] = set()
+        for state in self._workers.values():
+            keys.update(state.refs)
+        return len(keys)
+
     def check_integrity(self) -> None:
         """Recount every worker's key references from its engine-hash map."""
         for worker, state in self._workers.items():
