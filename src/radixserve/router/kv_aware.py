@@ -155,10 +155,12 @@ class KvAwarePolicy(RouterPolicy):
             return min(eligible, key=lambda i: (workers[i].load, self.pending(workers[i])))
         cached = self._cached(workers, healthy, request, size)
         self._matches = (request, cached)
-        # A worker holding KEEP_SHARE of the prompt stays eligible over the load gates: the
-        # request adds the last few percent of its prefill there, the whole prompt elsewhere.
-        keep = KEEP_SHARE * size
-        eligible = [i for i in healthy if i in eligible or cached.get(workers[i].id, 0) >= keep]
+        # Workers holding KEEP_SHARE of the prompt stay eligible over the load gates and are
+        # never spilled from: the request adds the last few percent of its prefill there, the
+        # whole prompt elsewhere.
+        keeps = {i for i in healthy if cached.get(workers[i].id, 0) >= KEEP_SHARE * size}
+        gated = set(eligible)
+        eligible = [i for i in healthy if i in gated or i in keeps]
         self._shares.observe([workers[i].id for i in eligible])
         placed = self._place_while_evicting(workers, eligible, cached, size, now)
         if placed is not None:
@@ -172,15 +174,15 @@ class KvAwarePolicy(RouterPolicy):
                 self.rng.random(),
             )
 
-        return self._spill(workers, eligible, min(eligible, key=score))
+        return self._spill(workers, eligible, min(eligible, key=score), keeps)
 
-    def _spill(self, workers: Sequence[WorkerView], eligible: list[int], pick: int) -> int:
-        """`pick`, unless it was lately sent more than its share (cache_aware's step 3) and
-        holds less than KEEP_SHARE of the prompt."""
-        request, cached = self._matches
-        if request is not None:
-            if cached.get(workers[pick].id, 0) >= KEEP_SHARE * prompt_size(request):
-                return pick
+    def _spill(
+        self, workers: Sequence[WorkerView], eligible: list[int], pick: int, keeps: set[int]
+    ) -> int:
+        """`pick`, unless it was lately sent more than its share (cache_aware's step 3) and is
+        not among `keeps` (the workers holding KEEP_SHARE of the prompt)."""
+        if pick in keeps:
+            return pick
         ids = [workers[i].id for i in eligible]
         excess, mean = self._shares.excess(workers[pick].id, ids)
         if excess <= max(KV_SPILL_SLACK * mean, KV_SPILL_MIN_EXCESS):
