@@ -18,9 +18,9 @@ import pytest
 pytest.importorskip("httptools")
 redis = pytest.importorskip("redis")
 
-from radixserve.router.index import chain_keys  # noqa: E402
-from radixserve.router.redis_index import block_id  # noqa: E402
-from radixserve.router.workers import ConnectionPool  # noqa: E402
+from radixserve.router.kvindex.block_index import chain_keys  # noqa: E402
+from radixserve.router.kvindex.redis_store import block_id  # noqa: E402
+from radixserve.router.proxy.workers import ConnectionPool  # noqa: E402
 from redis_harness import RedisServer  # noqa: E402
 from test_router_fleet import Proc, RouterProc, WorkerProc  # noqa: E402
 

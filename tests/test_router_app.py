@@ -14,9 +14,9 @@ import pytest
 pytest.importorskip("httptools")
 
 from fake_worker import spawn  # noqa: E402
-from radixserve.router.app import Router  # noqa: E402
-from radixserve.router.config import RouterConfig  # noqa: E402
-from radixserve.router.workers import ConnectionPool  # noqa: E402
+from radixserve.router.proxy.app import Router  # noqa: E402
+from radixserve.router.proxy.config import RouterConfig  # noqa: E402
+from radixserve.router.proxy.workers import ConnectionPool  # noqa: E402
 
 
 class FakeWorker:

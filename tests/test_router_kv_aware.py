@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from radixserve.router.event_format import BlockRemoved, BlockStored, namespace_string
-from radixserve.router.kv_aware import (
+from radixserve.router.kvindex.event_format import BlockRemoved, BlockStored, namespace_string
+from radixserve.router.policies.base import RequestView, WorkerView
+from radixserve.router.policies.config import CachePolicyConfig
+from radixserve.router.policies.kv_aware import (
     EVICTING_SECS,
     HELD_QUEUE_SPAN,
     KEEP_SHARE,
     PENDING_WEIGHT,
     KvAwarePolicy,
 )
-from radixserve.router.policies import CachePolicyConfig, RequestView, WorkerView, create_policy
+from radixserve.router.policies.registry import create_policy
 
 BS = 16
 SHARED = list(range(1000, 1000 + 8 * BS))  # 8 blocks
@@ -222,7 +224,7 @@ def test_spill_never_moves_a_request_off_a_worker_holding_nearly_all_of_it():
 
 
 def test_a_prompt_is_hashed_once_for_the_lookup_and_the_dispatch(monkeypatch):
-    import radixserve.router.index as index_module
+    import radixserve.router.kvindex.block_index as index_module
 
     calls = []
     real = index_module.block_keys

@@ -10,9 +10,10 @@ import pytest
 
 pytest.importorskip("httptools")
 
-from radixserve.router.config import HealthConfig  # noqa: E402
-from radixserve.router.policies import RequestView, WorkerView, create_policy  # noqa: E402
-from radixserve.router.workers import WorkerRegistry  # noqa: E402
+from radixserve.router.policies.base import RequestView, WorkerView  # noqa: E402
+from radixserve.router.policies.registry import create_policy  # noqa: E402
+from radixserve.router.proxy.config import HealthConfig  # noqa: E402
+from radixserve.router.proxy.workers import WorkerRegistry  # noqa: E402
 from test_router_app import (  # noqa: E402
     FakeWorker,
     call,

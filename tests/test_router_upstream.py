@@ -19,9 +19,9 @@ pytest.importorskip("httptools")
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from radixserve.router.config import HealthConfig  # noqa: E402
-from radixserve.router.pool import ConnectionPool  # noqa: E402
-from radixserve.router.workers import CircuitBreaker, WorkerRegistry  # noqa: E402
+from radixserve.router.proxy.config import HealthConfig  # noqa: E402
+from radixserve.router.proxy.upstream_pool import ConnectionPool  # noqa: E402
+from radixserve.router.proxy.workers import CircuitBreaker, WorkerRegistry  # noqa: E402
 from test_router_app import (  # noqa: E402
     FakeWorker,
     call,

@@ -11,8 +11,8 @@ import pytest
 pytest.importorskip("httptools")
 
 import fake_worker  # noqa: E402
-from radixserve.router.config import HealthConfig  # noqa: E402
-from radixserve.router.workers import (  # noqa: E402
+from radixserve.router.proxy.config import HealthConfig  # noqa: E402
+from radixserve.router.proxy.workers import (  # noqa: E402
     CircuitBreaker,
     ConnectionPool,
     UpstreamError,

@@ -204,8 +204,8 @@ def test_cli_rejects_a_parameter_the_workload_lacks(capsys: pytest.CaptureFixtur
 
 
 def test_every_cache_aware_setting_is_a_flag_of_route_and_sim() -> None:
-    from radixserve.router.config import RouterConfig
-    from radixserve.router.policies import CachePolicyConfig
+    from radixserve.router.policies.config import CachePolicyConfig
+    from radixserve.router.proxy.config import RouterConfig
 
     names = [f.name for f in dataclasses.fields(CachePolicyConfig)]
     for config in (RouterConfig, ClusterConfig):

@@ -14,8 +14,8 @@ from radixserve import __version__
 # Listed here only once the subcommand works end to end.
 SUBCOMMANDS: dict[str, str] = {
     "serve": "radixserve.server.cli",
-    "route": "radixserve.router.cli",
-    "kv-indexer": "radixserve.router.indexer_cli",
+    "route": "radixserve.router.proxy.cli",
+    "kv-indexer": "radixserve.router.indexer.cli",
     "sim": "radixserve.sim.cli",
     "bench": "radixserve.bench.cli",
     "playground": "radixserve.playground.cli",

@@ -19,7 +19,7 @@ from radixserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from radixserve.engine.kv_events import KVEventsConfig
 from radixserve.engine.procutil import Endpoints
 from radixserve.engine.tokenizer_spec import TokenizerSpec
-from radixserve.sim.workloads import SIM_VOCAB_SIZE
+from radixserve.modelfiles.sim_tokenizer import SIM_VOCAB_SIZE
 
 START_TIMEOUT_S = 600.0
 

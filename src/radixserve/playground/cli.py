@@ -7,7 +7,7 @@ import argparse
 import sys
 from urllib.parse import urlparse
 
-from radixserve.server.cli import bind
+from radixserve.net import bind
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

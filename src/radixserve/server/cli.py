@@ -19,6 +19,7 @@ from radixserve.config import (
     add_dataclass_args,
     from_args,
 )
+from radixserve.net import bind
 from radixserve.server.config import ServerConfig
 
 if TYPE_CHECKING:
@@ -123,21 +124,6 @@ class StopSignals:
         if not self.started:
             raise KeyboardInterrupt(signal.Signals(signum).name)
         self.got.append(signum)
-
-
-def bind(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``host:port`` (port 0: any free one), not yet listening."""
-    family, kind, proto, _, addr = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(addr)
-    except OSError:
-        sock.close()
-        raise
-    return sock
 
 
 def _run_loop(main: Coroutine[Any, Any, None]) -> None:

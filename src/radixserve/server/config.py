@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixserve.sim.workloads import SIM_VOCAB_SIZE
+from radixserve.modelfiles.sim_tokenizer import SIM_VOCAB_SIZE
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:

@@ -11,7 +11,7 @@ import sys
 from typing import Any
 
 from radixserve.config import CacheConfig, SchedulerConfig, add_dataclass_args, from_args
-from radixserve.router.policies import POLICIES
+from radixserve.router.policies.registry import POLICIES
 from radixserve.sim.cluster import ClusterConfig, simulate
 from radixserve.sim.costmodel import COST_MODELS, get_cost_model
 from radixserve.sim.report import SimResult, format_table

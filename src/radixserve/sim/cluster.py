@@ -26,13 +26,9 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from radixserve.config import CacheConfig, SchedulerConfig
-from radixserve.router.index import PrefixIndex
-from radixserve.router.policies import (
-    CachePolicyConfig,
-    RequestView,
-    WorkerView,
-    create_policy,
-)
+from radixserve.router.policies.base import RequestView, WorkerView
+from radixserve.router.policies.config import CachePolicyConfig
+from radixserve.router.policies.registry import create_policy
 from radixserve.sched.batch import Batch, StepResult
 from radixserve.sched.request import Req, SamplingParams
 from radixserve.sched.scheduler import Scheduler
@@ -159,12 +155,8 @@ class ClusterSim:
         ]
         self._views = [e.view() for e in self.engines]  # kept current as loads change
         self.policy = create_policy(config.router, config.policy_config(), config.sim_seed)
-        index = getattr(self.policy, "index", None)  # kv_aware: fed by the engines' caches
-        self._feed = (
-            KvFeed([e.sched.cache for e in self.engines], index)
-            if isinstance(index, PrefixIndex)
-            else None
-        )
+        index = self.policy.index  # kv_aware: fed by the engines' caches
+        self._feed = None if index is None else KvFeed([e.sched.cache for e in self.engines], index)
         self._events: list[tuple[float, int, int, int]] = []
         self._seq = 0
         self._live: dict[str, tuple[Req, _Engine, RequestView]] = {}
@@ -384,13 +376,12 @@ class ClusterSim:
         """Recount every engine's KV accounting and the router's tree."""
         for eng in self.engines:
             eng.sched.check_integrity()
-        tree = getattr(self.policy, "tree", None)
-        if tree is not None:
-            tree.check_integrity()
+        if self.policy.tree is not None:
+            self.policy.tree.check_integrity()
         if self._feed is not None:
             for tracker in self._feed.trackers:
                 tracker.check()
-            getattr(self._feed.index, "check_integrity", lambda: None)()
+            self._feed.index.check_integrity()
 
 
 @contextmanager

@@ -13,10 +13,12 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from radixserve.modelfiles.sim_tokenizer import (  # noqa: F401  (re-exported: workloads as text)
+    SIM_VOCAB_SIZE,
+    parse_text,
+    render_text,
+)
 from radixserve.sim.trace_tokens import TRACE_BLOCK_TOKENS, TraceTokens
-
-SIM_VOCAB_SIZE = 32000
-"""Token ids of simulated workloads and of the simulated tokenizer are in [0, SIM_VOCAB_SIZE)."""
 
 ReplyFn = Callable[[list[int], int], list[int]]  # (prompt ids, n) -> the assistant's n tokens
 
@@ -403,41 +405,6 @@ def block_hit_rate(requests: Iterable[WorkloadRequest | TraceRecord]) -> float:
 # --- text ------------------------------------------------------------------------------------
 
 # 16 consonants x 4 vowels: a token id is written as its base-64 digits, one syllable each
-_SYLLABLES = [c + v for c in "bcdfghjklmnprstv" for v in "aeio"]
-_SYLLABLE_INDEX = {s: i for i, s in enumerate(_SYLLABLES)}
-
-
-def render_text(input_ids: Iterable[int]) -> str:
-    """One word per token id, space separated; equal id prefixes give equal text prefixes."""
-    return " ".join(_word(i) for i in input_ids)
-
-
-def parse_text(text: str) -> list[int]:
-    """The token ids that ``render_text`` wrote."""
-    return [_word_id(w) for w in text.split()]
-
-
-def _word(token_id: int) -> str:
-    if token_id < 0:
-        raise ValueError(f"token ids must be >= 0, got {token_id}")
-    digits = []
-    while True:
-        token_id, d = divmod(token_id, 64)
-        digits.append(_SYLLABLES[d])
-        if token_id == 0:
-            return "".join(reversed(digits))
-
-
-def _word_id(word: str) -> int:
-    if len(word) % 2:
-        raise ValueError(f"not a rendered token: {word!r}")
-    value = 0
-    for k in range(0, len(word), 2):
-        digit = _SYLLABLE_INDEX.get(word[k : k + 2])
-        if digit is None:
-            raise ValueError(f"not a rendered token: {word!r}")
-        value = value * 64 + digit
-    return value
 
 
 # --- registry --------------------------------------------------------------------------------

@@ -81,11 +81,11 @@ async def serve(config: IndexerConfig) -> int:
     import redis.asyncio as aioredis
     import uvicorn
 
-    from radixserve.router.indexer import Indexer
-    from radixserve.router.indexer_http import admin_app
-    from radixserve.router.kvs_writer import RedisIndexWriter
-    from radixserve.router.redis_index import RedisIndexStore
-    from radixserve.server.cli import bind
+    from radixserve.net import bind
+    from radixserve.router.indexer.admin import admin_app
+    from radixserve.router.indexer.service import Indexer
+    from radixserve.router.kvindex.redis_store import RedisIndexStore
+    from radixserve.router.kvindex.redis_writer import RedisIndexWriter
 
     client = aioredis.Redis.from_url(config.redis, socket_timeout=2.0, socket_connect_timeout=2.0)
     writer = RedisIndexWriter(RedisIndexStore(client, config.redis_prefix))

@@ -1,6 +1,6 @@
 """What a router reads from the shared KV index in Redis (`route --kv-index redis://...`): one
 lookup per request, gated as Llumnix gates its KV metadata service. Owns the gate and the
-PrefixIndex that hands kv_aware each lookup's answer."""
+BlockIndex that hands kv_aware each lookup's answer."""
 
 # The gate (Llumnix's flags): a lookup that fails is retried `--kvs-retry-times` times,
 # `--kvs-retry-interval-ms` apart; when they all fail the service is marked down for
@@ -12,7 +12,7 @@ PrefixIndex that hands kv_aware each lookup's answer."""
 # Why the lookup happens before `select`, outside the policy: it is I/O, and the policy is pure.
 # The router awaits `prepare(request)` (an async Redis client: the event loop never blocks),
 # then calls `select` in the same synchronous stretch, which reads the answer through the
-# PrefixIndex interface. No await falls between the two, so concurrent requests cannot mix
+# BlockIndex interface. No await falls between the two, so concurrent requests cannot mix
 # their answers.
 
 from __future__ import annotations
@@ -24,9 +24,15 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from radixserve.router.event_format import Event
-from radixserve.router.index import BlockKey, IndexStats, PrefixIndex, WorkerId, block_keys
-from radixserve.router.redis_index import RedisIndexStore, WorkerEntry, key_blob
+from radixserve.router.kvindex.block_index import (
+    BlockIndex,
+    BlockKey,
+    IndexStats,
+    WorkerId,
+    block_keys,
+)
+from radixserve.router.kvindex.event_format import Event
+from radixserve.router.kvindex.redis_store import RedisIndexStore, WorkerEntry, key_blob
 
 log = logging.getLogger("radixserve.router")
 TABLE_REFRESH_S = 1.0  # how stale a router's copy of P:workers may be
@@ -62,8 +68,8 @@ class KvsGate:
         self.down_until = -math.inf
 
 
-class RedisIndexReader(PrefixIndex):
-    """A read-only PrefixIndex over Redis for kv_aware: `prepare` looks a request up, then
+class RedisIndexReader(BlockIndex):
+    """A read-only BlockIndex over Redis for kv_aware: `prepare` looks a request up, then
     `prefix_tokens` answers from that lookup. Writes are the kv-indexer's: a router never
     writes Redis, so `apply` and `drop_worker` change nothing there."""
 
@@ -139,7 +145,7 @@ class RedisIndexReader(PrefixIndex):
     async def close(self) -> None:
         await self.store.client.aclose()
 
-    # ----- PrefixIndex -----
+    # ----- BlockIndex -----
 
     def apply(self, worker: WorkerId, events: Iterable[Event]) -> None:
         """Nothing: the kv-indexer writes Redis."""
@@ -173,21 +179,3 @@ def _client(config: KvsConfig) -> Any:
         socket_connect_timeout=timeout,
         retry=Retry(NoBackoff(), 0),
     )
-
-
-def open_kv_index(config: Any, resolve: Callable[[str], Hashable | None]) -> tuple[Any, Any]:
-    """(reader, kv_aware policy on it) for `--kv-index redis://...`; (None, None) for memory."""
-    if config.kv_index == "memory":
-        return None, None
-    from radixserve.router.kv_aware import KvAwarePolicy
-
-    kvs = KvsConfig(
-        config.kv_index,
-        config.kvs_retry_times,
-        config.kvs_retry_interval_ms,
-        config.kvs_metadata_service_down_duration_s,
-        config.kvs_timeout_ms,
-        config.redis_prefix,
-    )
-    reader = RedisIndexReader(kvs, resolve)
-    return reader, KvAwarePolicy(config.policy_config(), index=reader)

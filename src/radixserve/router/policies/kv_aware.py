@@ -1,4 +1,4 @@
-"""The kv_aware policy: route on what the workers' KV caches really hold (a PrefixIndex fed by
+"""The kv_aware policy: route on what the workers' KV caches really hold (a BlockIndex fed by
 their KV events) and on the prefill work each worker already has, both in tokens.
 Registered as `--policy kv_aware`; pure (no I/O, no clock)."""
 
@@ -75,18 +75,17 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Hashable, Sequence
 
-from radixserve.router.index import InMemoryIndex, PrefixIndex, keys_by_size, run_length
-from radixserve.router.keys import units
-from radixserve.router.policies import (
-    CachePolicyConfig,
-    RequestView,
-    RouterPolicy,
-    WorkerView,
-    healthy_indices,
-    register,
+from radixserve.router.kvindex.block_index import (
+    BlockIndex,
+    InMemoryIndex,
+    keys_by_size,
+    leading_held,
 )
-from radixserve.router.shares import DispatchShares
-from radixserve.router.tree import NODE_UNITS, MultiTenantTree
+from radixserve.router.policies.base import RequestView, RouterPolicy, WorkerView, healthy_indices
+from radixserve.router.policies.config import CachePolicyConfig
+from radixserve.router.policies.shares import DispatchShares
+from radixserve.router.policies.tree import NODE_UNITS, MultiTenantTree
+from radixserve.router.policies.tree_keys import units
 
 _Record = tuple[float, int]  # (dispatched at, uncached tokens)
 KeysFor = Callable[[int], list[int]]  # block size -> the prompt's block keys at that size
@@ -120,15 +119,18 @@ INFLIGHT_BLOCK = 16
 """Block size for in-flight prompts on a worker whose events have not told one yet."""
 
 
-@register("kv_aware")
 class KvAwarePolicy(RouterPolicy):
     """Least prefill work, from precise KV events; the algorithm is explained above."""
+
+    name = "kv_aware"
+    index: BlockIndex
+    tree: MultiTenantTree
 
     def __init__(
         self,
         config: CachePolicyConfig | None = None,
         seed: int = 0,
-        index: PrefixIndex | None = None,
+        index: BlockIndex | None = None,
     ) -> None:
         super().__init__(config, seed)
         self.index = index if index is not None else InMemoryIndex()
@@ -137,7 +139,6 @@ class KvAwarePolicy(RouterPolicy):
         # the last request select() looked up: what each worker holds of it, its block keys
         self._matches: tuple[RequestView | None, dict[Hashable, int]] = (None, {})
         self._keys: tuple[RequestView | None, KeysFor] = (None, keys_by_size(()))
-        self.matched_tokens = self.prompt_tokens = 0
         self._shares = DispatchShares()
         self._published: set[Hashable] = set()  # workers the index has ever known
         self._flight = InFlightBlocks()
@@ -279,9 +280,6 @@ class KvAwarePolicy(RouterPolicy):
         """Share of dispatched prompt tokens the chosen worker held."""
         return self.matched_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
-    def tree_size(self) -> dict[Hashable, int]:
-        return self.tree.sizes()
-
     # -- helpers --------------------------------------------------------------------------------
     def _eligible(self, workers: Sequence[WorkerView]) -> list[int]:
         """Healthy workers that are neither overloaded (sglang-router's test against the least
@@ -334,7 +332,7 @@ class KvAwarePolicy(RouterPolicy):
             for w in ids:
                 bs = self._flight.block_size(w)
                 if bs:
-                    out[w] = max(out.get(w, 0), self._flight.run_length(w, keys_for(bs)) * bs)
+                    out[w] = max(out.get(w, 0), self._flight.leading_held(w, keys_for(bs)) * bs)
         return out
 
     def _keys_for(self, request: RequestView) -> KeysFor:
@@ -384,9 +382,9 @@ class InFlightBlocks:
     def block_size(self, worker: Hashable) -> int | None:
         return self._sizes.get(worker)
 
-    def run_length(self, worker: Hashable, keys: Sequence[int]) -> int:
+    def leading_held(self, worker: Hashable, keys: Sequence[int]) -> int:
         """Leading keys of `keys` some in-flight prompt on `worker` shares."""
-        return run_length(keys, self._counts.get(worker, {}))
+        return leading_held(keys, self._counts.get(worker, {}))
 
 
 def prompt_size(request: RequestView) -> int:

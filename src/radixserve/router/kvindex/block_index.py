@@ -1,5 +1,5 @@
 """Precise prefix index: which KV blocks each worker really holds, built from its KV events.
-Owns the PrefixIndex interface (what kv_aware reads and event subscribers write), the router's
+Owns the BlockIndex interface (what kv_aware reads and event subscribers write), the router's
 block keys, and InMemoryIndex. Pure: no I/O, no clock, no threads."""
 
 # Keys. A block's key is the router's OWN chained hash (cache/hashing.py, xxhash64, seed 0)
@@ -30,7 +30,7 @@ from collections.abc import Callable, Container, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from radixserve.cache.hashing import ALGORITHMS, block_hashes
-from radixserve.router.event_format import (
+from radixserve.router.kvindex.event_format import (
     DEVICE_MEDIA,
     AllBlocksCleared,
     BlockRemoved,
@@ -65,7 +65,7 @@ def keys_by_size(token_ids: Sequence[int], namespace: str = "") -> Callable[[int
     return keys_for
 
 
-def run_length(keys: Sequence[BlockKey], held: Container[BlockKey]) -> int:
+def leading_held(keys: Sequence[BlockKey], held: Container[BlockKey]) -> int:
     """How many of `keys`, from the first, are all in `held` (a contiguous prefix)."""
     n = 0
     for key in keys:
@@ -95,7 +95,7 @@ class IndexStats:
     resets: int = 0
 
 
-class PrefixIndex(ABC):
+class BlockIndex(ABC):
     """Per worker, the blocks it holds. Writers: one subscriber per worker calls `apply` with
     each batch's events in order, and `drop_worker` when it can no longer vouch for the worker
     (an unrecoverable gap, a restart, removal, death). Readers: kv_aware calls `prefix_tokens`.
@@ -134,6 +134,9 @@ class PrefixIndex(ABC):
         cannot tell (Redis, as the router reads it) answers 0 for all."""
         return 0
 
+    def check_integrity(self) -> None:  # noqa: B027  (a hook: no-op by default)
+        """Recount what the index keeps running counts of (nothing to recount by default)."""
+
 
 @dataclass(slots=True)
 class _Worker:
@@ -164,7 +167,7 @@ class _Worker:
         return True
 
 
-class InMemoryIndex(PrefixIndex):
+class InMemoryIndex(BlockIndex):
     """The index in the router's own memory: a dict per worker (about 200 bytes per block;
     benchmarks/kv_router_bench.py measures it)."""
 
@@ -202,7 +205,9 @@ class InMemoryIndex(PrefixIndex):
         for worker in workers:
             state = self._workers.get(worker)
             if state is not None:
-                out[worker] = run_length(keys_for(state.block_size), state.refs) * state.block_size
+                out[worker] = (
+                    leading_held(keys_for(state.block_size), state.refs) * state.block_size
+                )
         return out
 
     def blocks(self) -> dict[WorkerId, int]:

@@ -9,22 +9,17 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
-from radixserve.router.policies import (
-    RequestView,
-    RouterPolicy,
-    WorkerView,
-    healthy_indices,
-    register,
-)
+from radixserve.router.policies.base import RequestView, RouterPolicy, WorkerView, healthy_indices
 
 
 def _weight(key: bytes, worker_id: object) -> bytes:
     return hashlib.blake2b(key + b"\0" + str(worker_id).encode(), digest_size=8).digest()
 
 
-@register("consistent_hashing")
 class ConsistentHashingPolicy(RouterPolicy):
     """The healthy worker with the highest rendezvous weight for the request's session key."""
+
+    name = "consistent_hashing"
 
     def select(self, workers: Sequence[WorkerView], request: RequestView, now: float) -> int:
         key = request.routing_key or request.key[:256]

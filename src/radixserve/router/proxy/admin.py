@@ -1,16 +1,17 @@
 """The router's own endpoints besides proxying: probes, loads, worker management, model list,
-cache flush and metrics. A mixin of Router (app.py), which owns the registry and policy."""
+cache flush and metrics. A mixin of Router (app.py), which owns the registry and policy; what
+the handlers read of it is the AdminHost protocol below (no import of app.py)."""
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 from urllib.parse import parse_qs, unquote
 
 from prometheus_client import generate_latest
 
-from radixserve.router.http import Request, error_body
-from radixserve.router.workers import DuplicateWorker, Response, fan_out, resolve
+from radixserve.router.proxy.connections import Request, error_body
+from radixserve.router.proxy.workers import DuplicateWorker, Response, fan_out, resolve
 
 try:  # 5x faster on long prompts; the stdlib parser is the fallback
     from orjson import loads
@@ -18,7 +19,23 @@ except ImportError:  # pragma: no cover
     from json import loads
 
 if TYPE_CHECKING:
-    from radixserve.router.app import Router
+    from prometheus_client import CollectorRegistry
+
+    from radixserve.router.policies.base import RouterPolicy
+    from radixserve.router.proxy.kv_setup import KvRouting
+    from radixserve.router.proxy.workers import Worker, WorkerRegistry
+
+
+class AdminHost(Protocol):
+    """What the admin handlers use of the router they are mixed into."""
+
+    registry: WorkerRegistry
+    policy: RouterPolicy
+    kv: KvRouting | None
+    metrics_registry: CollectorRegistry
+
+    async def admit(self, worker: Worker) -> bool: ...
+    def _forward_headers(self, req: Request) -> bytes: ...
 
 
 class Text(str):
@@ -28,32 +45,32 @@ class Text(str):
 class Endpoints:
     """Handlers: each takes the request and returns (status, JSON-able object or Text)."""
 
-    async def liveness(self: Router, req: Request) -> tuple[int, object]:
+    async def liveness(self: AdminHost, req: Request) -> tuple[int, object]:
         return 200, {"status": "ok"}
 
-    async def readiness(self: Router, req: Request) -> tuple[int, object]:
+    async def readiness(self: AdminHost, req: Request) -> tuple[int, object]:
         ready = self.registry.routable()
         return (200 if ready else 503), {
             "status": "ok" if ready else "no healthy worker",
             "healthy_workers": ready,
         }
 
-    async def get_loads(self: Router, req: Request) -> tuple[int, object]:
-        now, pending = time.monotonic(), getattr(self.policy, "pending", None)
-        rows = []
+    async def get_loads(self: AdminHost, req: Request) -> tuple[int, object]:
+        now, rows = time.monotonic(), []
         for w in self.registry.workers:
             row = {"id": w.id, "url": w.url, "load": w.load, "healthy": w.healthy}
+            pending = self.policy.pending(w.view(now))
             if pending is not None:  # kv_aware: prefill the worker reported, and the total
                 row["reported_prefill_tokens"] = w.prefill_tokens
-                row["pending_prefill_tokens"] = pending(w.view(now))
+                row["pending_prefill_tokens"] = pending
             rows.append(row)
         return 200, {"workers": rows}
 
-    async def list_workers(self: Router, req: Request) -> tuple[int, object]:
+    async def list_workers(self: AdminHost, req: Request) -> tuple[int, object]:
         workers = self.registry.workers
         return 200, {"workers": [w.info() for w in workers], "urls": [w.url for w in workers]}
 
-    async def add_worker(self: Router, req: Request) -> tuple[int, object]:
+    async def add_worker(self: AdminHost, req: Request) -> tuple[int, object]:
         """Register a worker; it takes traffic once its first health probe passes (and, with
         kv_aware, once its tokenizer is checked and its KV events subscribed to)."""
         body = _json(req) if req.body else {}
@@ -76,7 +93,7 @@ class Endpoints:
         await self.registry.probe_now(worker)
         return 201 if req.path == "/workers" else 200, worker.info()
 
-    async def remove_worker(self: Router, req: Request) -> tuple[int, object]:
+    async def remove_worker(self: AdminHost, req: Request) -> tuple[int, object]:
         ref = (
             unquote(req.path[len("/workers/") :]) if req.method == "DELETE" else _query(req, "url")
         )
@@ -88,7 +105,7 @@ class Endpoints:
             await self.kv.forget(worker.id)
         return 200, {"removed": worker.id, "url": worker.url}
 
-    async def models(self: Router, req: Request) -> tuple[int, object]:
+    async def models(self: AdminHost, req: Request) -> tuple[int, object]:
         routable = [w for w in self.registry.workers if w.view(time.monotonic()).healthy]
         headers = self._forward_headers(req)
         for reply in await fan_out(routable, "GET", "/v1/models", headers):
@@ -96,7 +113,7 @@ class Endpoints:
                 return 200, loads(reply.body)
         return 503, error_body(503, "no healthy worker answered /v1/models")
 
-    async def flush_cache(self: Router, req: Request) -> tuple[int, object]:
+    async def flush_cache(self: AdminHost, req: Request) -> tuple[int, object]:
         workers = self.registry.workers
         replies = await fan_out(workers, "POST", "/flush_cache", self._forward_headers(req))
         results = {w.url: getattr(r, "status", str(r)) for w, r in zip(workers, replies)}
@@ -105,7 +122,7 @@ class Endpoints:
         ok = all(s == 200 for s in results.values())
         return (200 if ok else 502), {"success": ok, "workers": results}
 
-    async def metrics(self: Router, req: Request) -> tuple[int, object]:
+    async def metrics(self: AdminHost, req: Request) -> tuple[int, object]:
         return 200, Text(generate_latest(self.metrics_registry).decode())
 
 

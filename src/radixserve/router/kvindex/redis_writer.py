@@ -1,4 +1,4 @@
-"""The kv-indexer's index: a PrefixIndex whose truth lives in Redis (schema: redis_index.py).
+"""The kv-indexer's index: a BlockIndex whose truth lives in Redis (schema: redis_index.py).
 Owns the mirror of what each worker holds, the per-batch diffs, and their ordered writing."""
 
 # Why a mirror: keys, contiguity, orphans, media and block-size resets must mean in Redis exactly
@@ -18,9 +18,15 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from radixserve.router.event_format import AllBlocksCleared, EngineHash, Event
-from radixserve.router.index import KEY_ALGORITHM, BlockKey, InMemoryIndex, PrefixIndex, WorkerId
-from radixserve.router.redis_index import BlockDiff, RedisIndexStore, WorkerEntry, block_id
+from radixserve.router.kvindex.block_index import (
+    KEY_ALGORITHM,
+    BlockIndex,
+    BlockKey,
+    InMemoryIndex,
+    WorkerId,
+)
+from radixserve.router.kvindex.event_format import AllBlocksCleared, EngineHash, Event
+from radixserve.router.kvindex.redis_store import BlockDiff, RedisIndexStore, WorkerEntry, block_id
 
 log = logging.getLogger("radixserve.kv_indexer")
 FULL_REWRITE_CHUNK = 20_000  # blocks per pipeline when a worker is rewritten in full
@@ -43,7 +49,7 @@ class _Op:
     block_size: int = 0
 
 
-class RedisIndexWriter(PrefixIndex):
+class RedisIndexWriter(BlockIndex):
     """Writers call `apply` / `drop_worker` as on InMemoryIndex; `run()` (a task) writes Redis.
     Reads answer from the mirror: the same answers routers get from Redis once it is written."""
 
@@ -59,7 +65,7 @@ class RedisIndexWriter(PrefixIndex):
         self._checked_at = 0.0
         self.redis_ok = False
 
-    # ----- PrefixIndex -----
+    # ----- BlockIndex -----
 
     def apply(self, worker: WorkerId, events: Iterable[Event]) -> None:
         events = list(events)

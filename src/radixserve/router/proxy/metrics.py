@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client.core import (
     CollectorRegistry,
@@ -18,7 +18,26 @@ from prometheus_client.core import (
 )
 
 if TYPE_CHECKING:
-    from radixserve.router.app import Router
+    from radixserve.router.policies.base import RouterPolicy
+    from radixserve.router.proxy.admission import Admission
+    from radixserve.router.proxy.kv_setup import KvRouting
+    from radixserve.router.proxy.workers import WorkerRegistry
+
+
+class Router(Protocol):
+    """What the collector reads of the router (app.Router) at scrape time."""
+
+    registry: WorkerRegistry
+    policy: RouterPolicy
+    admission: Admission
+    kv: KvRouting | None
+    kvs: Any
+    retries: int
+    failed: dict[int, int]
+    decisions: list[int]
+    decision_sum: float
+    connections: int
+
 
 PREFIX = "radixserve_router_"
 BUCKETS = (2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2)
@@ -31,7 +50,7 @@ class _Collector:
     def collect(self) -> Iterator[Metric]:
         r, now = self.router, time.monotonic()
         ws = r.registry.workers
-        sizes = getattr(r.policy, "tree_size", dict)()
+        sizes = r.policy.tree_size()
         per_worker = [
             ("requests", CounterMetricFamily, "requests sent", lambda w: w.counts["requests"]),
             ("errors", CounterMetricFamily, "failed attempts", lambda w: w.counts["errors"]),
@@ -46,7 +65,7 @@ class _Collector:
                 family.add_metric([w.url], float(value(w)))
             yield family
         yield CounterMetricFamily(PREFIX + "retries", "retried attempts", value=r.retries)
-        hit_rate = getattr(r.policy, "expected_hit_rate", lambda: 0.0)()
+        hit_rate = r.policy.expected_hit_rate()
         yield GaugeMetricFamily(PREFIX + "expected_hit_rate", "expected prefix hits", hit_rate)
         yield GaugeMetricFamily(PREFIX + "connections", "open client connections", r.connections)
         yield GaugeMetricFamily(PREFIX + "queued_requests", "waiting for a slot",

@@ -10,9 +10,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from radixserve.router.http import error_body
-from radixserve.router.indexer import Indexer
-from radixserve.router.indexer_metrics import metric_lines
+from radixserve.router.indexer.metrics import metric_lines
+from radixserve.router.indexer.service import Indexer
+from radixserve.router.proxy.connections import error_body
 
 
 def admin_app(indexer: Indexer, admin_api_key: str | None) -> FastAPI:

@@ -13,9 +13,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from radixserve.router.config import HealthConfig
-from radixserve.router.policies import WorkerView
-from radixserve.router.pool import (  # noqa: F401  (re-exported: the router's one import place)
+from radixserve.router.policies.base import WorkerView
+from radixserve.router.proxy.config import HealthConfig
+from radixserve.router.proxy.upstream_pool import (  # noqa: F401  (re-exported: the router's one import place)
     ConnectionPool,
     Headers,
     HttpConnection,

@@ -1,6 +1,6 @@
 """KV-event subscribers: the only I/O of the event plane. One subscriber per worker reads its ZMQ
 PUB stream, tracks ``seq``, recovers gaps through the worker's replay socket, and feeds a
-PrefixIndex; EventPlane starts and stops them as workers come and go and reports on /metrics."""
+BlockIndex; EventPlane starts and stops them as workers come and go and reports on /metrics."""
 
 # Wire contract (vLLM's; issue 12): PUB multipart [topic, seq as 8-byte big-endian, payload];
 # replay ROUTER: send [b"", start_seq as 8-byte big-endian] (the empty delimiter a REQ socket
@@ -36,8 +36,8 @@ import zmq
 import zmq.asyncio
 import zmq.utils.monitor
 
-from radixserve.router.event_format import EventFormatError, parse_payload
-from radixserve.router.index import PrefixIndex
+from radixserve.router.kvindex.block_index import BlockIndex
+from radixserve.router.kvindex.event_format import EventFormatError, parse_payload
 
 log = logging.getLogger("radixserve.router.events")
 
@@ -103,7 +103,7 @@ class EventSubscriber:
         self,
         worker: WorkerId,
         endpoints: Endpoints,
-        index: PrefixIndex,
+        index: BlockIndex,
         ctx: zmq.asyncio.Context,
         replay_timeout_secs: float = 1.0,
     ) -> None:
@@ -277,7 +277,7 @@ class EventPlane:
     """The fleet's subscribers feeding one index: `watch` a worker when it joins (its endpoints
     are discovered from /get_server_info, retried until it answers), `forget` it when it leaves."""
 
-    def __init__(self, index: PrefixIndex, discover_interval_secs: float = 2.0) -> None:
+    def __init__(self, index: BlockIndex, discover_interval_secs: float = 2.0) -> None:
         self.index = index
         self.discover_interval_secs = discover_interval_secs
         self.ctx = zmq.asyncio.Context()

@@ -7,7 +7,8 @@ import importlib.util
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from radixserve.router.policies import POLICIES, CachePolicyConfig
+from radixserve.router.policies.config import CachePolicyConfig
+from radixserve.router.policies.registry import POLICIES
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,10 +18,10 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
-from radixserve.router.event_format import BlockStored, event_namespace
-from radixserve.router.events import Endpoints, EventPlane, EventSubscriber
-from radixserve.router.kvs_writer import RedisIndexWriter
-from radixserve.router.workers import ConnectionPool, UpstreamError, _normalize
+from radixserve.router.kvindex.event_format import BlockStored, event_namespace
+from radixserve.router.kvindex.redis_writer import RedisIndexWriter
+from radixserve.router.kvindex.subscriber import Endpoints, EventPlane, EventSubscriber
+from radixserve.router.proxy.workers import ConnectionPool, UpstreamError, _normalize
 
 try:
     from orjson import loads

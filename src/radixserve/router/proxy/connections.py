@@ -1,7 +1,8 @@
 """The router's HTTP/1.1 protocol handling (asyncio + httptools): parsing client connections
 within limits and timeouts, answering pipelined requests in order, and writing plain, JSON and
 streamed responses (chunked for HTTP/1.1, close-delimited for HTTP/1.0, head only for HEAD).
-Proxy logic lives in app.py; nothing here knows about workers or policies."""
+Proxy logic lives in app.py; nothing here knows about workers or policies: a connection hands
+each request to its Server's `handle` (the router's proxy, or the kv-indexer's admin API)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,12 @@ import json
 import os
 from collections import deque
 from http import HTTPStatus
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import httptools
 
 if TYPE_CHECKING:
-    from radixserve.router.app import Router
-    from radixserve.router.workers import HttpConnection
+    from radixserve.router.proxy.upstream_pool import HttpConnection
 
 REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 CODES = {s.value: s.phrase.lower().replace(" ", "_").replace("-", "_") for s in HTTPStatus}
@@ -41,6 +41,29 @@ def request_id(given: bytes) -> str:
     if given and len(given) <= 128 and given.isascii() and all(32 < c < 127 for c in given):
         return given.decode()
     return f"{_ID_PREFIX}{next(_IDS):08x}"
+
+
+class Limits(Protocol):
+    """What a connection reads of its server's config (RouterConfig has every field)."""
+
+    max_payload_size: int
+    max_url_size: int
+    max_header_size: int
+    max_connections: int
+    header_timeout_secs: float
+    body_timeout_secs: float
+    keep_alive_timeout_secs: float
+    session_header: str
+
+
+class Server(Protocol):
+    """What answers the requests of a connection: its limits, the count of open connections
+    (kept by the connections), and `handle`, which answers one request and never raises."""
+
+    config: Limits
+    connections: int
+
+    async def handle(self, conn: ClientConn, req: Request) -> None: ...
 
 
 class Request:
@@ -82,7 +105,7 @@ class _Refused(Exception):
 class ClientConn(asyncio.Protocol):
     """One client connection; requests on it are answered in order, one at a time."""
 
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Server) -> None:
         self.router, cfg = router, router.config
         self.max_body, self.max_url, self.max_head = (
             cfg.max_payload_size, cfg.max_url_size, cfg.max_header_size,

@@ -1,18 +1,57 @@
-"""A tokenizer for simulated engines: one whitespace-separated word per token id.
+"""A tokenizer for simulated engines: one whitespace-separated word per token id, and the word
+rendering of token ids that simulated workloads use. Low in the layers (no import of sim/): the
+engine, the server, the router and the simulator all read it.
 
-Words written by ``workloads.render_text`` map back to their ids; any other word, and a word
+Words written by ``render_text`` map back to their ids; any other word, and a word
 that reads as a rendered id outside the vocabulary, maps to a stable hash in range, so HTTP
 clients can send ordinary text to a ``serve --sim`` worker.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import xxhash
 
-from radixserve.sim.workloads import SIM_VOCAB_SIZE, parse_text, render_text
+SIM_VOCAB_SIZE = 32000
+"""Token ids of simulated workloads and of the simulated tokenizer are in [0, SIM_VOCAB_SIZE)."""
+
+_SYLLABLES = [c + v for c in "bcdfghjklmnprstv" for v in "aeio"]
+_SYLLABLE_INDEX = {s: i for i, s in enumerate(_SYLLABLES)}
+
+
+def render_text(input_ids: Iterable[int]) -> str:
+    """One word per token id, space separated; equal id prefixes give equal text prefixes."""
+    return " ".join(_word(i) for i in input_ids)
+
+
+def parse_text(text: str) -> list[int]:
+    """The token ids that ``render_text`` wrote."""
+    return [_word_id(w) for w in text.split()]
+
+
+def _word(token_id: int) -> str:
+    if token_id < 0:
+        raise ValueError(f"token ids must be >= 0, got {token_id}")
+    digits = []
+    while True:
+        token_id, d = divmod(token_id, 64)
+        digits.append(_SYLLABLES[d])
+        if token_id == 0:
+            return "".join(reversed(digits))
+
+
+def _word_id(word: str) -> int:
+    if len(word) % 2:
+        raise ValueError(f"not a rendered token: {word!r}")
+    value = 0
+    for k in range(0, len(word), 2):
+        digit = _SYLLABLE_INDEX.get(word[k : k + 2])
+        if digit is None:
+            raise ValueError(f"not a rendered token: {word!r}")
+        value = value * 64 + digit
+    return value
 
 
 class SimTokenizer:

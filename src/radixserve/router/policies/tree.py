@@ -25,7 +25,7 @@ import heapq
 import itertools
 from collections.abc import Hashable, Iterator
 
-from radixserve.router.keys import UNIT, Namespace
+from radixserve.router.policies.tree_keys import UNIT, Namespace
 
 Tenant = Hashable
 NODE_UNITS = 60

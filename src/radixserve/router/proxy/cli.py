@@ -11,7 +11,7 @@ import signal
 import sys
 
 from radixserve.config import add_dataclass_args, from_args
-from radixserve.router.config import RouterConfig
+from radixserve.router.proxy.config import RouterConfig
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
 
 async def serve(config: RouterConfig) -> None:
     """Run a Router with `config` until the process is told to stop."""
-    from radixserve.router.app import Router  # the HTTP stack is an optional extra
+    from radixserve.router.proxy.app import Router  # the HTTP stack is an optional extra
 
     try:
         router = Router(config)  # kv_aware with --tokenizer loads it here

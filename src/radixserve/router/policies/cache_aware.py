@@ -1,207 +1,17 @@
-"""Router policies: given plain views of the workers and of a request, pick a worker index.
-Owns the `--policy` registry, `CachePolicyConfig`, and the cache-aware policy's state."""
-
-# Policies never do I/O and never read a clock: `now` is passed in, so the proxy (wall time) and
-# the discrete-event simulator (virtual time) drive the same code.
+"""`--policy cache_aware`: prefix locality within load bounds, from an approximate tree of what
+the router sent each worker (sglang-router's policy, improved where noted). Pure: no I/O."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import random
-from collections.abc import Callable, Hashable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Hashable, Iterator, Sequence
 
-from radixserve.router.event_format import namespace_string
-from radixserve.router.keys import Namespace, ids_key, namespace, text_key, units
-from radixserve.router.shares import DispatchShares
-from radixserve.router.tree import NODE_UNITS, MultiTenantTree
-from radixserve.router.warmup import WarmUp
-
-
-@dataclass(slots=True, frozen=True)
-class CachePolicyConfig:
-    """Flags of the cache-aware policy, named as sglang-router's; see CacheAwarePolicy."""
-
-    cache_threshold: float = 0.5
-    balance_abs_threshold: int = 32
-    balance_rel_threshold: float = 1.0001
-    eviction_interval_secs: float = 60.0
-    # Units of 8 bytes per worker, counting each tree node as 60 units beside its key bytes
-    # (8 ASCII characters or 2 tokens per unit): 2**20 units is about 8 MiB of router memory per
-    # worker, up to 2M tokens of prompts, as much as the KV cache of a typical GPU worker.
-    max_tree_size: int = 2**20
-    # Not in sglang-router: see CacheAwarePolicy (step 3); float("inf") turns it off.
-    share_slack: float = 0.03
-    # kv_aware (kv_aware.py): prompts shorter than this are placed by load alone (Llumnix's flag).
-    cache_aware_scheduling_min_tokens: int = 16
-    # Not in sglang-router: a joining worker's cap on new prefixes ramps up over this (warmup.py).
-    warmup_secs: float = 60.0
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.cache_threshold <= 1.0:
-            raise ValueError("cache_threshold must be within [0, 1]")
-        if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0:
-            raise ValueError("balance_abs_threshold must be >= 0, balance_rel_threshold >= 1")
-        if min(self.eviction_interval_secs, self.max_tree_size, self.share_slack,
-               self.warmup_secs) < 0:  # fmt: skip
-            raise ValueError(
-                "eviction_interval_secs, max_tree_size, share_slack, warmup_secs must be >= 0"
-            )
-        if self.cache_aware_scheduling_min_tokens < 0:
-            raise ValueError("cache_aware_scheduling_min_tokens must be >= 0")
-
-    @property
-    def tree_evict_target(self) -> int:
-        """What an eviction trims a worker's approximate tree to: 7/8 of max_tree_size (the
-        headroom amortises a walk over the whole tree)."""
-        return self.max_tree_size - self.max_tree_size // 8
-
-    @classmethod
-    def taken_from(cls, settings: object) -> CachePolicyConfig:
-        """The policy's settings out of a larger config that mirrors its fields as flags."""
-        return cls(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(cls)})
-
-
-@dataclass(slots=True, frozen=True)
-class WorkerView:
-    """What a policy may know of a worker: its id, in-flight requests, health, and the size
-    of its in-flight prompts (``queued_tokens``, least_load's tie-break: key units in the
-    router, which sees text, tokens in the simulator; only compared between workers), and the
-    prefill tokens it reported waiting (``prefill_tokens``, None: no report) at ``reported_at``."""
-
-    id: Hashable
-    load: int = 0
-    healthy: bool = True
-    queued_tokens: int = 0
-    prefill_tokens: int | None = None
-    reported_at: float = float("-inf")
-
-
-@dataclass(slots=True, frozen=True)
-class RequestView:
-    """What a policy may know of a request: its packed prefix key and its cache namespace;
-    for kv_aware also its token ids as the workers tokenize it and its KV-event namespace
-    (event_format.namespace_string), when the router has them."""
-
-    key: bytes
-    namespace: Namespace = ()
-    token_ids: Sequence[int] | None = None
-    kv_namespace: str = ""
-    routing_key: bytes = b""  # a session header's value, for consistent_hashing
-
-    @classmethod
-    def from_prompt(
-        cls,
-        text: str | None = None,
-        input_ids: Sequence[int] | None = None,
-        model: str = "",
-        lora: str = "",
-        cache_salt: str = "",
-    ) -> RequestView:
-        """Key on `input_ids` when the request has them (what the engine caches), else the text."""
-        if input_ids is not None:
-            ns = namespace("ids", model, lora, cache_salt)
-            return cls(ids_key(input_ids), ns, input_ids, namespace_string(lora, cache_salt))
-        ns, kv_ns = namespace("text", model, lora, cache_salt), namespace_string(lora, cache_salt)
-        return cls(text_key(text or ""), ns, None, kv_ns)
-
-    @classmethod
-    def from_payload(cls, payload: dict) -> RequestView:
-        """The view of a request body: token ids if given, else the prompt text or the
-        rendered chat, in the namespace (model, LoRA adapter, cache salt) the engine caches
-        under."""
-        ids, text = payload.get("input_ids"), payload.get("text")
-        if ids is None and text is None:
-            text = payload.get("prompt")
-            if text is None and isinstance(payload.get("messages"), list):
-                text = "".join(_render(m) for m in payload["messages"])
-        while isinstance(text, list) and text and isinstance(text[0], list | str):
-            text = text[0]  # a batch keys on its first prompt
-        if isinstance(text, list):
-            ids, text = text, None  # OpenAI's prompt may be token ids
-        lora = payload.get("lora_path", payload.get("lora")) or ""
-        return cls.from_prompt(
-            text if isinstance(text, str) else None,
-            ids if isinstance(ids, list) and ids and isinstance(ids[0], int) else None,
-            str(payload.get("model") or ""),
-            lora if isinstance(lora, str) else str(lora),
-            str(payload.get("cache_salt") or ""),
-        )
-
-
-def _render(message: object) -> str:
-    if not isinstance(message, dict):
-        return str(message)
-    content = message.get("content")
-    if isinstance(content, list):  # multi-part content: the text parts carry the prefix
-        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return f"<{message.get('role')}>{content}\n"
-
-
-class NoWorkerAvailable(RuntimeError):
-    """No healthy worker to route to; the proxy answers 503."""
-
-
-def healthy_indices(workers: Sequence[WorkerView]) -> list[int]:
-    """Indices of healthy workers; raises NoWorkerAvailable when there is none."""
-    found = [i for i, w in enumerate(workers) if w.healthy]
-    if not found:
-        raise NoWorkerAvailable("no healthy worker")
-    return found
-
-
-class RouterPolicy:
-    """Picks a worker per request. `select` never changes what the policy believes a worker
-    holds: that is recorded in `on_dispatch`, once per attempt (a failed attempt retried
-    elsewhere leaves both workers recorded as holding the prefix, as it may have reached the
-    first one's cache before failing)."""
-
-    name = ""
-
-    def __init__(self, config: CachePolicyConfig | None = None, seed: int = 0) -> None:
-        self.config = config or CachePolicyConfig()
-        self.rng = random.Random(seed)
-
-    def select(self, workers: Sequence[WorkerView], request: RequestView, now: float) -> int:
-        """Index into `workers` of the worker that should serve `request`."""
-        raise NotImplementedError
-
-    def on_dispatch(self, worker_id: Hashable, request: RequestView, now: float) -> None:
-        """The request was sent to `worker_id`."""
-
-    def on_complete(self, worker_id: Hashable, request: RequestView, now: float) -> None:
-        """The request finished on `worker_id` (successfully or not)."""
-
-    def on_worker_removed(self, worker_id: Hashable) -> None:
-        """`worker_id` left the fleet."""
-
-    def tick(self, now: float) -> None:
-        """Periodic housekeeping; the caller decides how often to call it."""
-
-
-POLICIES: dict[str, type[RouterPolicy]] = {}
-
-
-def register(name: str) -> Callable[[type[RouterPolicy]], type[RouterPolicy]]:
-    """Class decorator: make a policy selectable as `--policy NAME`."""
-
-    def wrap(cls: type[RouterPolicy]) -> type[RouterPolicy]:
-        cls.name = name
-        POLICIES[name] = cls
-        return cls
-
-    return wrap
-
-
-def create_policy(
-    name: str, config: CachePolicyConfig | None = None, seed: int = 0
-) -> RouterPolicy:
-    """Build the policy registered as `name`."""
-    if name not in POLICIES:
-        raise ValueError(f"unknown policy {name!r}; choose from {sorted(POLICIES)}")
-    return POLICIES[name](config, seed)
-
+from radixserve.router.policies.base import RequestView, RouterPolicy, WorkerView, healthy_indices
+from radixserve.router.policies.config import CachePolicyConfig
+from radixserve.router.policies.shares import DispatchShares
+from radixserve.router.policies.tree import NODE_UNITS, MultiTenantTree
+from radixserve.router.policies.tree_keys import units
+from radixserve.router.policies.warmup import WarmUp
 
 # ----- cache_aware ------------------------------------------------------------------------------
 #
@@ -209,7 +19,7 @@ def create_policy(
 # worker is not overloaded, and places prefixes that nobody holds so that load stays even.
 #
 # State: a MultiTenantTree (tree.py) of what the router has sent each worker, keyed by the
-# request's packed prompt (keys.py) under its namespace (key kind, model, LoRA, cache salt), so
+# request's packed prompt (tree_keys.py) under its namespace (key kind, model, LoRA, cache salt), so
 # it never expects a hit that an engine cannot serve. `select` only reads the tree;
 # `on_dispatch` inserts the key for the worker an attempt is sent to (every attempt, retries
 # included). Lengths and sizes are in units of 8 key bytes.
@@ -286,9 +96,11 @@ affinity 0.77 with a floor of 1.5 standard deviations); 32-40 kept every group >
 the busiest worker <= 1.10x the mean in 200 closed-loop runs of the 16-group benchmark."""
 
 
-@register("cache_aware")
 class CacheAwarePolicy(RouterPolicy):
     """Prefix locality within load bounds; the algorithm is explained above."""
+
+    name = "cache_aware"
+    tree: MultiTenantTree
 
     def __init__(self, config: CachePolicyConfig | None = None, seed: int = 0) -> None:
         super().__init__(config, seed)
@@ -301,10 +113,6 @@ class CacheAwarePolicy(RouterPolicy):
         self._observed_at = -math.inf
         self._shares = DispatchShares()
         self._warmup = WarmUp(self.config.warmup_secs)
-        # Where the policy runs beside live traffic (the router), eviction is deferred: the
-        # owner sees `evict_due` and runs eviction_slices() between requests, so no request
-        # waits on a walk of the whole tree. The simulator evicts inline.
-        self.defer_eviction, self.evict_due = False, False
 
     def select(self, workers: Sequence[WorkerView], request: RequestView, now: float) -> int:
         healthy = healthy_indices(workers)
@@ -354,10 +162,6 @@ class CacheAwarePolicy(RouterPolicy):
     def expected_hit_rate(self) -> float:
         """Share of dispatched key units that the chosen worker already held."""
         return self._matched_units / self._total_units if self._total_units else 0.0
-
-    def tree_size(self) -> dict[Hashable, int]:
-        """Units the router believes each worker holds."""
-        return self.tree.sizes()
 
     def _within_balance(self, load: int, floor: int) -> bool:
         cfg = self.config
@@ -430,8 +234,3 @@ class CacheAwarePolicy(RouterPolicy):
         if self._warmup.active():
             calm = [i for i in calm if self._warmup.allows(workers[i].id, now, fleet)] or calm
         return min(calm, key=lambda i: (self.tree.size(workers[i].id), workers[i].load))
-
-
-# Policies in modules of their own register themselves on import (after the registry exists),
-# so that `--policy` lists them.
-from radixserve.router import affinity, kv_aware, load_policies  # noqa: E402, F401

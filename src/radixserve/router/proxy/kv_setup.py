@@ -7,11 +7,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
-from radixserve.router.events import EventPlane
-from radixserve.router.policies import RequestView
+from radixserve.router.kvindex.subscriber import EventPlane
+from radixserve.router.policies.base import RequestView, RouterPolicy
+from radixserve.router.policies.kv_aware import KvAwarePolicy
+from radixserve.router.proxy.request_body import extract_prompt
+
+if TYPE_CHECKING:
+    from radixserve.router.kvindex.redis_reader import RedisIndexReader
+    from radixserve.router.proxy.config import RouterConfig
 
 try:
     from orjson import loads
@@ -37,7 +43,7 @@ def load_tokenizer(path: str, vocab_size: int | None = None) -> Tokenizer:
     an HF model directory, a GGUF file, ``built-in:...`` (the default model) or ``sim:...`` (the
     simulated engines' word tokenizer). Imported lazily: the router never needs torch."""
     if path.startswith("sim:"):
-        from radixserve.sim.tokenizer import SimTokenizer
+        from radixserve.modelfiles.sim_tokenizer import SimTokenizer
 
         return SimTokenizer(vocab_size) if vocab_size else SimTokenizer()
     from radixserve.config import ModelConfig
@@ -50,45 +56,26 @@ def load_tokenizer(path: str, vocab_size: int | None = None) -> Tokenizer:
 
 def prompt_ids(payload: dict[str, Any], tok: Tokenizer) -> list[int] | None:
     """The token ids a worker computes for this request body, as the engine's tokenizer
-    manager does: input_ids as they are, chat messages through the chat template (no special
+    manager does: token ids as they are, chat messages through the chat template (no special
     tokens added), text encoded with them. None when the body has no prompt the router can
     read (the worker answers with the error)."""
-    ids = payload.get("input_ids")
-    if _is_ids(ids):
-        return ids
-    messages = payload.get("messages")
-    if isinstance(messages, list) and messages:
-        text = tok.apply_chat_template([_message(m) for m in messages], True)
+    prompt = extract_prompt(payload)
+    if prompt.ids is not None:
+        return prompt.ids
+    if prompt.messages is not None:
+        text = tok.apply_chat_template(prompt.messages, True)
         return tok.encode(text, add_special_tokens=False)
-    text = payload.get("text", payload.get("prompt"))
-    if isinstance(text, list) and text and not _is_ids(text):
-        text = text[0]  # a batch routes on its first prompt
-    if _is_ids(text):
-        return text
-    return tok.encode(text) if isinstance(text, str) and text else None
-
-
-def _is_ids(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
-
-
-def _message(m: Any) -> dict[str, Any]:
-    """A message as the server normalises it before templating (text parts joined)."""
-    if not isinstance(m, dict):
-        raise ValueError("a message is an object")
-    content = m.get("content")
-    if isinstance(content, list):
-        content = "".join(p.get("text") or "" for p in content if isinstance(p, dict))
-    out = {"role": m.get("role"), "content": content or ""}
-    return out | {"name": m["name"]} if m.get("name") else out
+    return tok.encode(prompt.text) if prompt.text else None
 
 
 class KvRouting:
     """Tokenizer, fingerprint check and event subscribers of a kv_aware router."""
 
     def __init__(
-        self, policy: Any, tokenizer_path: str | None = None, subscribe: bool = True
+        self, policy: RouterPolicy, tokenizer_path: str | None = None, subscribe: bool = True
     ) -> None:
+        if policy.index is None:
+            raise ValueError(f"policy {policy.name} keeps no KV index")
         self.policy = policy  # kv_aware: its index, and what it expected to hit
         self.plane = EventPlane(policy.index)
         self.subscribe = subscribe  # False: another process feeds the index (kv-indexer)
@@ -190,3 +177,23 @@ async def fetch_json(
     except ValueError:
         return None
     return obj if isinstance(obj, dict) else None
+
+
+def open_kv_index(
+    config: RouterConfig, resolve: Callable[[str], Hashable | None]
+) -> tuple[RedisIndexReader | None, KvAwarePolicy | None]:
+    """(reader, kv_aware policy on it) for `--kv-index redis://...`; (None, None) for memory."""
+    if config.kv_index == "memory":
+        return None, None
+    from radixserve.router.kvindex.redis_reader import KvsConfig, RedisIndexReader
+
+    kvs = KvsConfig(
+        config.kv_index,
+        config.kvs_retry_times,
+        config.kvs_retry_interval_ms,
+        config.kvs_metadata_service_down_duration_s,
+        config.kvs_timeout_ms,
+        config.redis_prefix,
+    )
+    reader = RedisIndexReader(kvs, resolve)
+    return reader, KvAwarePolicy(config.policy_config(), index=reader)

@@ -20,16 +20,17 @@ from typing import NamedTuple
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from radixserve.router.admin import Endpoints, Text
-from radixserve.router.admission import Admission
-from radixserve.router.config import RouterConfig
-from radixserve.router.http import ClientConn, Request, error_body
-from radixserve.router.keys import units
-from radixserve.router.kv_routing import KvRouting, fetch_json
-from radixserve.router.kvs_reader import open_kv_index
-from radixserve.router.metrics import BUCKETS, metrics_registry
-from radixserve.router.policies import NoWorkerAvailable, RequestView, create_policy
-from radixserve.router.workers import (
+from radixserve.router.policies.base import NoWorkerAvailable, RequestView
+from radixserve.router.policies.registry import create_policy
+from radixserve.router.policies.tree_keys import units
+from radixserve.router.proxy.admin import Endpoints, Text
+from radixserve.router.proxy.admission import Admission
+from radixserve.router.proxy.config import RouterConfig
+from radixserve.router.proxy.connections import ClientConn, Request, error_body
+from radixserve.router.proxy.kv_setup import KvRouting, fetch_json, open_kv_index
+from radixserve.router.proxy.metrics import BUCKETS, metrics_registry
+from radixserve.router.proxy.request_body import request_view
+from radixserve.router.proxy.workers import (
     Headers,
     UpstreamError,
     Worker,
@@ -59,12 +60,11 @@ class Router(Endpoints):
         self.kvs, self.policy = open_kv_index(config, self._worker_id)
         if self.kvs is None:
             self.policy = create_policy(config.policy, config.policy_config())
-        if hasattr(self.policy, "defer_eviction"):
-            self.policy.defer_eviction = True  # off the dispatch path: see _evict_in_slices
+        self.policy.defer_eviction = True  # off the dispatch path: see _evict_in_slices
         self._evicting: asyncio.Task[None] | None = None
         self.registry = WorkerRegistry(config.health_config(), self.policy.on_worker_removed)
         # kv_aware: an index fed by the workers' KV events, prompts tokenized as they do
-        has_index = getattr(self.policy, "index", None) is not None
+        has_index = self.policy.index is not None
         subscribe = self.kvs is None  # on Redis, the kv-indexer follows the events
         self.kv = KvRouting(self.policy, config.tokenizer, subscribe) if has_index else None
         self.registry.poll_loads = has_index  # kv_aware reconciles pending prefill with them
@@ -150,7 +150,7 @@ class Router(Endpoints):
             self._maybe_evict()
 
     def _maybe_evict(self) -> None:
-        if getattr(self.policy, "evict_due", False) and self._evicting is None:
+        if self.policy.evict_due and self._evicting is None:
             self._evicting = asyncio.get_running_loop().create_task(self._evict_in_slices())
 
     async def _evict_in_slices(self) -> None:
@@ -286,7 +286,7 @@ class Router(Endpoints):
     def _view(self, body: bytes) -> RequestView:
         """The routing view of a request body; with kv_aware, the prompt's token ids too."""
         payload = loads(body)
-        view = RequestView.from_payload(payload)
+        view = request_view(payload)
         return view if self.kv is None else self.kv.view(payload, view)
 
     def _backoff(self, attempt: int) -> float:
