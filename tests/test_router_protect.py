@@ -122,7 +122,7 @@ def test_kv_usage_threshold(workers, make_router):  # noqa: F811
 
 def test_a_worker_reporting_garbage_stats_is_not_overloaded_and_probes_go_on(workers):  # noqa: F811
     a, b, c = workers[:3]
-    health = HealthConfig(overload_waiting=10, overload_kv_usage=0.9)
+    health = HealthConfig(overload_waiting_threshold=10, overload_kv_usage_threshold=0.9)
 
     async def sweep() -> frozenset[str]:
         reg = WorkerRegistry(health, lambda _id: None)

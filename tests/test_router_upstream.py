@@ -102,7 +102,9 @@ def test_connect_timeout_and_probes_bounded_by_their_timeout(blackhole, workers,
                     retry_backoff_ms=1)  # fmt: skip
     # Each request that lands on the dead host waits 0.3 s, not two minutes, then moves on.
     assert all(generate(r.addr, f"q{i}")[0] == 200 for i in range(4))
-    health = HealthConfig(timeout_secs=0.5, failure_threshold=1, connect_timeout_secs=30)
+    health = HealthConfig(
+        health_check_timeout_secs=0.5, health_failure_threshold=1, connect_timeout_secs=30
+    )
 
     async def sweep() -> list[bool]:
         reg = WorkerRegistry(health, lambda _id: None)

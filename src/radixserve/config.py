@@ -12,6 +12,7 @@ import dataclasses
 import math
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -106,13 +107,20 @@ def _base_type(tp: Any) -> Any:
     return tp
 
 
-def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
-    """Add one ``--flag-name`` per field of ``cls`` to a new argument group."""
-    group = parser.add_argument_group(title)
+def add_dataclass_args(
+    parser: argparse.ArgumentParser, cls: type, title: str, group: Any = None
+) -> None:
+    """Add one ``--flag-name`` per field of ``cls`` to a new argument group. A field whose type
+    is itself a config dataclass (settings shared by several commands) adds its own fields'
+    flags to the same group, under their own names."""
+    group = parser.add_argument_group(title) if group is None else group
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
         tp = _base_type(hints[f.name])
+        if dataclasses.is_dataclass(tp):
+            add_dataclass_args(parser, tp, title, group)  # type: ignore[arg-type]
+            continue
         kw: dict[str, Any] = {"dest": f.name, "default": f.default, "help": f.metadata.get("help")}
         if tp is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
@@ -126,6 +134,39 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str) -
 
 
 def from_args(cls: type[T], args: argparse.Namespace) -> T:
-    """Build ``cls`` from the parsed arguments that share its field names."""
-    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    return cls(**{k: v for k, v in vars(args).items() if k in names})
+    """Build ``cls`` from the parsed arguments that share its field names (and its nested
+    configs' field names: see add_dataclass_args)."""
+    return from_flags(cls, vars(args))
+
+
+def flag_names(cls: type) -> set[str]:
+    """The flag names (field names) of ``cls``, its nested configs' included."""
+    hints = typing.get_type_hints(cls)
+    names: set[str] = set()
+    for f in dataclasses.fields(cls):
+        tp = _base_type(hints[f.name])
+        names |= flag_names(tp) if dataclasses.is_dataclass(tp) else {f.name}
+    return names
+
+
+def from_flags(cls: type[T], values: Mapping[str, Any]) -> T:
+    """Build ``cls`` from flat flag values, as the command line gives them: a nested config is
+    built from the values named as its fields. Names ``cls`` has no flag for are left out."""
+    hints = typing.get_type_hints(cls)
+    kw: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        tp = _base_type(hints[f.name])
+        if dataclasses.is_dataclass(tp):
+            kw[f.name] = from_flags(tp, values)  # type: ignore[arg-type]
+        elif f.name in values:
+            kw[f.name] = values[f.name]
+    return cls(**kw)
+
+
+def with_flags(cls: type[T], **values: Any) -> T:
+    """``cls`` built from flag values given by name (``with_flags(RouterConfig, port=0,
+    cache_threshold=0.7)``); a name that is no flag of ``cls`` is a TypeError."""
+    unknown = sorted(set(values) - flag_names(cls))
+    if unknown:
+        raise TypeError(f"{cls.__name__} has no setting {', '.join(unknown)}")
+    return from_flags(cls, values)

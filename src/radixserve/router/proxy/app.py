@@ -59,10 +59,10 @@ class Router(Endpoints):
         self.config = config
         self.kvs, self.policy = open_kv_index(config, self._worker_id)
         if self.kvs is None:
-            self.policy = create_policy(config.policy, config.policy_config())
+            self.policy = create_policy(config.policy, config.cache_policy)
         self.policy.defer_eviction = True  # off the dispatch path: see _evict_in_slices
         self._evicting: asyncio.Task[None] | None = None
-        self.registry = WorkerRegistry(config.health_config(), self.policy.on_worker_removed)
+        self.registry = WorkerRegistry(config.health, self.policy.on_worker_removed)
         # kv_aware: an index fed by the workers' KV events, prompts tokenized as they do
         has_index = self.policy.index is not None
         subscribe = self.kvs is None  # on Redis, the kv-indexer follows the events
@@ -109,7 +109,7 @@ class Router(Endpoints):
                 self._admitting.add(task)
                 task.add_done_callback(self._admitting.discard)
         self.registry.start()
-        if self.config.eviction_interval_secs > 0:
+        if self.config.cache_policy.eviction_interval_secs > 0:
             self._ticker = asyncio.get_running_loop().create_task(self._tick_loop())
         self.server = await asyncio.get_running_loop().create_server(
             lambda: ClientConn(self), self.config.host, self.config.port, backlog=4096
@@ -145,7 +145,7 @@ class Router(Endpoints):
 
     async def _tick_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.config.eviction_interval_secs)
+            await asyncio.sleep(self.config.cache_policy.eviction_interval_secs)
             self.policy.tick(time.monotonic())
             self._maybe_evict()
 

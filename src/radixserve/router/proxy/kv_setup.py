@@ -196,4 +196,4 @@ def open_kv_index(
         config.redis_prefix,
     )
     reader = RedisIndexReader(kvs, resolve)
-    return reader, KvAwarePolicy(config.policy_config(), index=reader)
+    return reader, KvAwarePolicy(config.cache_policy, index=reader)

@@ -154,8 +154,12 @@ class WorkerRegistry:
         if same is not None:
             raise DuplicateWorker(f"worker {url} is already registered (as {same.url})")
         h = self.health
-        breaker = CircuitBreaker(h.cb_failure_threshold, h.cb_success_threshold, h.cb_timeout_secs)
-        pool = ConnectionPool(url, connect_timeout=h.connect_timeout_secs, max_conns=h.max_conns)
+        breaker = CircuitBreaker(
+            h.cb_failure_threshold, h.cb_success_threshold, h.cb_timeout_duration_secs
+        )
+        pool = ConnectionPool(
+            url, connect_timeout=h.connect_timeout_secs, max_conns=h.max_worker_connections
+        )
         worker = Worker(f"w{next(self._ids)}", url, pool, breaker, healthy, addrs=addrs)
         self.workers = [*self.workers, worker]  # copy: a running health sweep keeps its list
         log.info("worker %s added: %s", worker.id, url)
@@ -190,7 +194,7 @@ class WorkerRegistry:
     # ----- health checks -----
 
     def start(self) -> None:
-        if self.health.interval_secs > 0 and self._task is None:
+        if self.health.health_check_interval_secs > 0 and self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._health_loop())
 
     async def stop(self) -> None:
@@ -204,7 +208,7 @@ class WorkerRegistry:
     async def _health_loop(self) -> None:
         while True:
             await self.check_all()
-            await asyncio.sleep(self.health.interval_secs)
+            await asyncio.sleep(self.health.health_check_interval_secs)
 
     async def check_all(self) -> None:
         """Probe every worker once, concurrently."""
@@ -213,7 +217,7 @@ class WorkerRegistry:
         for worker, ok in zip(workers, results):
             self._record_probe(worker, ok)
         h = self.health
-        if h.overload_waiting > 0 or h.overload_kv_usage > 0:
+        if h.overload_waiting_threshold > 0 or h.overload_kv_usage_threshold > 0:
             live = [w for w in workers if w.healthy]
             loads = await asyncio.gather(*(self._load(w) for w in live))
             self.overloaded = frozenset(w.id for w, busy in zip(live, loads) if busy)
@@ -226,14 +230,14 @@ class WorkerRegistry:
         if not isinstance(stats, dict):
             return False
         waiting, kv = stats.get("num_waiting"), stats.get("kv_usage")
-        return (_number(waiting) and 0 < h.overload_waiting < waiting) or (
-            _number(kv) and 0 < h.overload_kv_usage < kv
+        return (_number(waiting) and 0 < h.overload_waiting_threshold < waiting) or (
+            _number(kv) and 0 < h.overload_kv_usage_threshold < kv
         )
 
     async def _get_json(self, worker: Worker, path: str) -> dict | None:
         """GET `path` within the health timeout, connecting included; its JSON object, or None
         (unreachable, slow, not 200, not a JSON object)."""
-        timeout = self.health.timeout_secs
+        timeout = self.health.health_check_timeout_secs
         try:
             resp = await asyncio.wait_for(
                 worker.pool.request("GET", path, timeout=timeout, headers=self.auth), timeout
@@ -252,10 +256,11 @@ class WorkerRegistry:
     async def _probe(self, worker: Worker) -> bool:
         # The whole probe, connecting included, is bounded: one host that drops packets must
         # not hold up the verdict on the others.
-        timeout = self.health.timeout_secs
+        timeout = self.health.health_check_timeout_secs
         try:
             resp = await asyncio.wait_for(
-                worker.pool.request("GET", self.health.endpoint, timeout=timeout), timeout
+                worker.pool.request("GET", self.health.health_check_endpoint, timeout=timeout),
+                timeout,
             )
         except (UpstreamError, OSError, asyncio.TimeoutError):
             return False
@@ -276,12 +281,12 @@ class WorkerRegistry:
         h = self.health
         if ok:
             worker.probe_failures, worker.probe_successes = 0, worker.probe_successes + 1
-            if not worker.healthy and worker.probe_successes >= h.success_threshold:
+            if not worker.healthy and worker.probe_successes >= h.health_success_threshold:
                 worker.healthy = True
                 log.warning("worker %s (%s) is healthy again", worker.id, worker.url)
             return
         worker.probe_failures, worker.probe_successes = worker.probe_failures + 1, 0
-        if worker.healthy and worker.probe_failures >= h.failure_threshold:
+        if worker.healthy and worker.probe_failures >= h.health_failure_threshold:
             worker.healthy = False
             self.on_removed(worker.id)
             log.warning("worker %s (%s) failed its health checks", worker.id, worker.url)
