@@ -11,6 +11,7 @@ from collections.abc import Hashable
 
 import pytest
 
+from radixserve.cache.kv_event_types import namespace_string
 from radixserve.router.policies.base import NoWorkerAvailable, RequestView, RouterPolicy, WorkerView
 from radixserve.router.policies.cache_aware import CacheAwarePolicy
 from radixserve.router.policies.config import CachePolicyConfig
@@ -323,6 +324,7 @@ def test_request_key_and_namespace() -> None:
     chat = request_view({"messages": [{"role": "user", "content": "hi"}], "model": "m"})
     assert chat.namespace[1] == "m" and chat.key == text_key("<user>hi\n")
     ids = request_view({"input_ids": [1, 2, 3], "lora_path": "a", "cache_salt": "s"})
-    assert ids.key == ids_key([1, 2, 3]) and ids.namespace[2:] == ("a", "s")
+    assert ids.key == ids_key([1, 2, 3]) and ids.namespace[2:] == (namespace_string("a", "s"),)
+    assert ids.kv_namespace == namespace_string("a", "s")  # the tree's and the index's agree
     assert request_view({"prompt": [5, 6]}).key == ids_key([5, 6])
     assert request_view({"text": "abc"}).namespace != request_view({"input_ids": [1]}).namespace

@@ -1,8 +1,9 @@
 """KV-cache events as a router reads them: the typed events and their parsing out of vLLM's wire
 payload (msgpack of ``[ts, events, data_parallel_rank]``), in both encodings found in the wild.
 
-Pure: bytes in, plain data out. The subscriber (events.py) receives the bytes; the index
-(index.py) applies the events.
+Pure: bytes in, plain data out (the event structs are cache/kv_event_types.py's, which the
+engine publishes). The subscriber (subscriber.py) receives the bytes; the index
+(block_index.py) applies the events.
 """
 
 # The two encodings of one event (issue 12; vLLM's KVEventBatch, SGLang's publisher):
@@ -23,8 +24,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-EngineHash = int | bytes | str
-"""A block hash as an engine publishes it; only ever compared for equality."""
+from radixserve.cache.kv_event_types import (  # noqa: F401  (re-exported: the router's events)
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EngineHash,
+    KVEvent,
+    namespace_string,
+)
 
 DEVICE_MEDIA = frozenset({None, "GPU", "gpu", "cuda", "CUDA", "device"})
 """Media whose blocks count as cached: vLLM tags blocks offloaded to CPU or disk with another
@@ -35,34 +42,7 @@ class EventFormatError(ValueError):
     """A payload that is not a KV-event batch."""
 
 
-@dataclass(frozen=True, slots=True)
-class BlockStored:
-    """Full blocks entered the engine's cache: ``token_ids`` holds ``block_size`` tokens per
-    hash, the first block's parent is ``parent_block_hash`` (None: a root block).
-    ``namespace`` is lora_name and extra_keys folded into one string (see event_namespace)."""
-
-    block_hashes: tuple[EngineHash, ...]
-    parent_block_hash: EngineHash | None
-    token_ids: Sequence[int]
-    block_size: int
-    namespace: str = ""
-    medium: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class BlockRemoved:
-    """Blocks left the engine's cache (evicted)."""
-
-    block_hashes: tuple[EngineHash, ...]
-    medium: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class AllBlocksCleared:
-    """The engine dropped its whole cache (``/flush_cache``, a reset)."""
-
-
-Event = BlockStored | BlockRemoved | AllBlocksCleared
+Event = KVEvent
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,13 +52,6 @@ class EventBatch:
     ts: float
     events: tuple[Event, ...]
     dp_rank: int | None = None
-
-
-def namespace_string(lora_name: str | None = None, salt: str | None = None) -> str:
-    """The index's namespace of a request: LoRA adapter and the engine's cache namespace
-    (``cache_salt``). Must equal event_namespace of the events that request's blocks cause."""
-    parts = [lora_name or "", *([salt] if salt else [])]
-    return "\x1f".join(parts).rstrip("\x1f")
 
 
 def event_namespace(lora_name: Any, extra_keys: Any, n_blocks: int = 1) -> str:

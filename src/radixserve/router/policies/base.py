@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from radixserve.router.kvindex.block_index import BlockIndex
-from radixserve.router.kvindex.event_format import namespace_string
 from radixserve.router.policies.config import CachePolicyConfig
 from radixserve.router.policies.tree import MultiTenantTree
 from radixserve.router.policies.tree_keys import Namespace, ids_key, namespace, text_key
@@ -38,7 +37,7 @@ class WorkerView:
 class RequestView:
     """What a policy may know of a request: its packed prefix key and its cache namespace;
     for kv_aware also its token ids as the workers tokenize it and its KV-event namespace
-    (event_format.namespace_string), when the router has them."""
+    (kv_event_types.namespace_string), when the router has them."""
 
     key: bytes
     namespace: Namespace = ()
@@ -58,9 +57,9 @@ class RequestView:
         """Key on `input_ids` when the request has them (what the engine caches), else the text."""
         if input_ids is not None:
             ns = namespace("ids", model, lora, cache_salt)
-            return cls(ids_key(input_ids), ns, input_ids, namespace_string(lora, cache_salt))
-        ns, kv_ns = namespace("text", model, lora, cache_salt), namespace_string(lora, cache_salt)
-        return cls(text_key(text or ""), ns, None, kv_ns)
+            return cls(ids_key(input_ids), ns, input_ids, ns[-1])
+        ns = namespace("text", model, lora, cache_salt)
+        return cls(text_key(text or ""), ns, None, ns[-1])
 
 
 class NoWorkerAvailable(RuntimeError):

@@ -1,4 +1,5 @@
-"""Turns a request's prompt into the packed byte key that the router's prefix tree matches on.
+"""The approximate tree's byte keys: a request's prompt packed into the key the router's prefix
+tree (tree.py) matches on.
 Owns the key format (8-byte units), the text and token-id encoders, and the namespace tuple."""
 
 # Why raw bytes and not hashed blocks: hashing 16-character blocks costs one Python-level call
@@ -14,11 +15,14 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 
+from radixserve.cache.kv_event_types import namespace_string
+
 UNIT = 8
 """Bytes per key unit: the tree's granularity and the unit of `max_tree_size`."""
 
 Namespace = tuple[str, ...]
-"""(key kind, model, LoRA adapter, cache salt): requests in different namespaces never match."""
+"""(key kind, model, namespace_string(LoRA adapter, cache salt)): requests in different
+namespaces never match."""
 
 _PAD = b"\0" * UNIT
 # An id no vocabulary reaches, so a padded odd-length key never equals a real token pair.
@@ -59,8 +63,9 @@ def ids_key(ids: Sequence[int]) -> bytes:
 
 
 def namespace(kind: str, model: str = "", lora: str = "", cache_salt: str = "") -> Namespace:
-    """The namespace an engine caches under; `kind` keeps text keys and id keys apart."""
-    return (kind, model, lora, cache_salt)
+    """The namespace an engine caches under; `kind` keeps text keys and id keys apart. LoRA
+    adapter and cache salt are encoded as in the KV events (namespace_string)."""
+    return (kind, model, namespace_string(lora, cache_salt))
 
 
 def units(key: bytes) -> int:
