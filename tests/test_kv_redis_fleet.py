@@ -302,3 +302,24 @@ def test_workers_added_removed_and_killed_leave_redis(fleet):
         assert other.url not in redis_holders(fleet, prompt(32))
     finally:
         client.close()
+
+
+def test_indexer_admin_api_answers_health_metrics_and_errors(fleet):
+    """The kv-indexer's admin API (the router's own HTTP code and prometheus-client): health,
+    one Prometheus family per metric with a sample per followed worker, clear 404/405."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    indexer = fleet["indexer"]
+    status, body = indexer.call("GET", "/health")
+    assert status == 200 and body["redis"] is True and body["workers"] >= 2
+    with urllib.request.urlopen(indexer.url + "/metrics", timeout=10) as resp:
+        assert resp.headers["Content-Type"].startswith("text/plain")
+        families = list(text_string_to_metric_families(resp.read().decode()))
+    names = [f.name for f in families]
+    assert len(names) == len(set(names))  # one family per name (a scraper refuses duplicates)
+    by_name = {f.name: f for f in families}
+    workers = {s.labels["worker"] for s in by_name["radixserve_kv_indexer_blocks"].samples}
+    assert {w.url for w in fleet["workers"]} <= workers
+    assert by_name["radixserve_kv_indexer_redis_up"].samples[0].value == 1
+    assert indexer.call("GET", "/nowhere")[0] == 404
+    assert indexer.call("DELETE", "/health")[0] == 405

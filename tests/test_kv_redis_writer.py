@@ -157,8 +157,8 @@ def test_redis_restarted_empty_is_rewritten_from_the_mirror(redis_server):
 
 
 def test_a_router_reads_the_index_under_the_indexers_prefix(redis_server):
-    from radixserve.router.proxy.kv_setup import open_kv_index
     from radixserve.router.proxy.config import RouterConfig
+    from radixserve.router.proxy.kv_setup import open_kv_index
 
     toks = [5, 6, 7, 8] * 2
 

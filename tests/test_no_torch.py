@@ -33,6 +33,7 @@ PURE = [
     "radixserve.router.kvindex.redis_reader",
     "radixserve.router.kvindex.redis_writer",
     "radixserve.router.indexer.admin",
+    "radixserve.router.indexer.metrics",
     "radixserve.router.indexer.cli",
     "radixserve.sim.costmodel",
     "radixserve.sim.runner",

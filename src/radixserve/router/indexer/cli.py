@@ -79,10 +79,9 @@ def run(args: argparse.Namespace) -> int:
 
 async def serve(config: IndexerConfig) -> int:
     import redis.asyncio as aioredis
-    import uvicorn
 
     from radixserve.net import bind
-    from radixserve.router.indexer.admin import admin_app
+    from radixserve.router.indexer.admin import AdminServer
     from radixserve.router.indexer.service import Indexer
     from radixserve.router.kvindex.redis_store import RedisIndexStore
     from radixserve.router.kvindex.redis_writer import RedisIndexWriter
@@ -98,18 +97,16 @@ async def serve(config: IndexerConfig) -> int:
     except Exception as exc:  # Redis unreachable at start: say so in one line
         print(f"radixserve kv-indexer: cannot use {config.redis}: {exc}", file=sys.stderr)
         return 1
-    app = admin_app(indexer, config.admin_api_key)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    admin = AdminServer(indexer, config.admin_api_key)
     sock = bind(config.host, config.port)
+    await admin.start(sock)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    task = asyncio.create_task(server.serve(sockets=[sock]))
     print(f"radixserve kv-indexer: following {len(config.worker_urls)} worker(s) into "
           f"{config.redis}; admin on http://{config.host}:{sock.getsockname()[1]}", flush=True)  # fmt: skip
     await stop.wait()
-    server.should_exit = True
-    await task
+    await admin.stop()
     await indexer.stop()
     await client.aclose()
     return 0
