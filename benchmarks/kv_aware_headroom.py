@@ -20,7 +20,7 @@ only in this process (they are not router policies a user can pick):
   cache_aware+upgrade   cache_aware, except that when the precise index says an eligible worker
                         holds at least a quarter of the prompt more than cache_aware's pick, the
                         request goes there: the guess corrected by the truth.
-  kv_aware-placement    kv_aware without its placement while evicting (router/kv_aware.py): a
+  kv_aware-placement    kv_aware without its placement while evicting (router/policies/kv_aware.py): a
                         request every eligible worker holds equally goes where the score sends
                         it (the least queued worker), evicting or not.
   kv_aware+held         kv_aware with that placement at every size, evicting or not: such a

@@ -1,5 +1,5 @@
 """`radixserve kv-indexer`: follows every worker's KV events with the router's own subscribers
-and keeps the shared prefix index in Redis (schema: redis_index.py). Owns the followed-worker
+and keeps the shared prefix index in Redis (schema: kvindex/redis_store.py). Owns the followed-worker
 set, the snapshot resync, the health probes that find dead workers, and the admin API."""
 
 # Resync. An indexer (re)started with Redis intact finds entries it cannot vouch for: for each

@@ -10,7 +10,7 @@ Schema (``P`` is the key prefix, ``radixserve`` by default; every value is a str
 ``P:wurl``       HASH  worker number -> worker URL (the lookup script answers with URLs).
 ``P:wnext``      STRING counter that hands out worker numbers.
 ``P:b:<key>``    SET   worker numbers that hold the block whose key is ``<key>``: the router's
-                 own chained block hash (router/index.py: xxhash64 of ``cache/hashing.py``,
+                 own chained block hash (router/kvindex/block_index.py: xxhash64 of ``cache/hashing.py``,
                  seed 0) of the prompt's tokens up to the end of the block, written as 16
                  lowercase hex digits.
                  The namespace (LoRA adapter, cache salt) is the chain's root, so equal keys

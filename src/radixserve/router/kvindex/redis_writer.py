@@ -1,4 +1,4 @@
-"""The kv-indexer's index: a BlockIndex whose truth lives in Redis (schema: redis_index.py).
+"""The kv-indexer's index: a BlockIndex whose truth lives in Redis (schema: kvindex/redis_store.py).
 Owns the mirror of what each worker holds, the per-batch diffs, and their ordered writing."""
 
 # Why a mirror: keys, contiguity, orphans, media and block-size resets must mean in Redis exactly

@@ -10,7 +10,7 @@ Registered as `--policy kv_aware`; pure (no I/O, no clock)."""
 #     score(w) = (P - cached(w)) + PENDING_WEIGHT * pending(w)
 #
 # cached(w)   the leading prompt tokens w holds: the longest contiguous run of the prompt's
-#             blocks in the index (index.py; block size learned from w's events). A worker the
+#             blocks in the index (kvindex/block_index.py; block size learned from w's events). A worker the
 #             index does not know (it publishes no events, or its stream broke and is being
 #             resynchronised) is scored from an approximate tree of what the router sent it,
 #             as cache_aware keeps one, so mixed fleets work. Prompts dispatched to w and not

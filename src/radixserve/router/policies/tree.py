@@ -2,7 +2,7 @@
 Owns insert, per-tenant prefix match, O(1) per-tenant sizes, per-tenant LRU eviction, integrity."""
 
 # Design (why it looks like this):
-# - Keys are packed bytes in 8-byte units (keys.py): edges are `bytes` slices, so matching an
+# - Keys are packed bytes in 8-byte units (tree_keys.py): edges are `bytes` slices, so matching an
 #   edge is one C-level compare, and a node costs its edge plus about 450 bytes (node, tenant
 #   dict, parent's index entry), not one object per character as in a character trie.
 # - The tree is compressed (one node per branch point) and shared by all tenants: a node records

@@ -5,7 +5,7 @@ Owns the key format (8-byte units), the text and token-id encoders, and the name
 # Why raw bytes and not hashed blocks: hashing 16-character blocks costs one Python-level call
 # per block (about 90 us for an 8,000-character prompt on a small VM), which alone would blow the
 # router's per-request budget, while `str.encode` plus a C-level slice compare costs about 2 us.
-# Exact units also never collide. Memory stays bounded by `max_tree_size` (policies.py), counted
+# Exact units also never collide. Memory stays bounded by `max_tree_size` (config.py), counted
 # in units, so it does not depend on the script; where long non-ASCII prompts make 8 bytes hold
 # only 2-4 characters, `text_key(..., block_chars=16)` trades CPU for reach by hashing each block
 # of characters into one unit.

@@ -1,5 +1,5 @@
 """The router's workers: registry, health checks, circuit breaker and in-flight load
-accounting. The HTTP client that talks to each worker is pool.py."""
+accounting. The HTTP client that talks to each worker is upstream_pool.py."""
 
 from __future__ import annotations
 
