@@ -26,7 +26,6 @@ from radixserve.router.config import RouterConfig
 from radixserve.router.http import ClientConn, Request, error_body
 from radixserve.router.keys import units
 from radixserve.router.kv_routing import KvRouting, fetch_json
-from radixserve.router.kvs_reader import open_kv_index
 from radixserve.router.metrics import BUCKETS, metrics_registry
 from radixserve.router.policies import NoWorkerAvailable, RequestView, create_policy
 from radixserve.router.workers import (
@@ -56,7 +55,11 @@ class Router(Endpoints):
 
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
-        self.kvs, self.policy = open_kv_index(config, self._worker_id)
+        self.kvs = self.policy = None
+        if config.kv_index != "memory":  # Redis: the optional extra, imported only when asked
+            from radixserve.router.kvs_reader import open_kv_index
+
+            self.kvs, self.policy = open_kv_index(config, self._worker_id)
         if self.kvs is None:
             self.policy = create_policy(config.policy, config.policy_config())
         if hasattr(self.policy, "defer_eviction"):
