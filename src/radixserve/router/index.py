@@ -134,6 +134,11 @@ class PrefixIndex(ABC):
         cannot tell (Redis, as the router reads it) answers 0 for all."""
         return 0
 
+    def answering(self) -> bool:
+        """False while the index cannot be read at all (its store is down): kv_aware then
+        scores every worker from its approximate tree, as cache_aware would."""
+        return True
+
 
 @dataclass(slots=True)
 class _Worker:
