@@ -200,15 +200,40 @@ def test_redis_killed_under_load_falls_back_then_returns_to_precise(fleet):
     wait_for(lambda: len(load.statuses) >= n + 10, what="requests served while Redis is down")
     assert metric(proc, "kvs_fallback_decisions_total") > 0
     fleet["redis"].start()  # empty: the indexer rewrites it from its own view
-    p = prompt(21)
+    p = prompt(21, 40 * BLOCK)  # long: the last check's pick holds >= 95%, never spilled
     generate(w2, p)
     wait_for(lambda: w2 in redis_holders(fleet, p), what="new events in the new Redis")
     wait_for(lambda: w2 in redis_holders(fleet, p0), what="the index rewritten into Redis")
     lookups = metric(proc, "kvs_lookups_total")  # tried again after the 1 s down duration:
     wait_for(lambda: metric(proc, "kvs_lookups_total") > lookups + 5, what="lookups again")
     assert set(load.finish()) == {200}
-    assert routed_to(proc, p + prompt(22, BLOCK)) == w2  # precise again: only Redis knows p
+    assert routed_to(proc, p + prompt(22, 1)) == w2  # precise again: only Redis knows p
     assert metric(proc, "kvs_up") == 1
+
+
+def test_redis_killed_the_fallback_sends_each_prefix_group_to_its_holder(fleet):
+    """Issue 25: the approximate tree is kept from the router's dispatches while Redis serves,
+    so when Redis dies the first request of each prefix group still goes to the worker that
+    holds it (a cold tree sent about half of them to a worker without it)."""
+    proc, w2 = router(fleet, *GATE), fleet["workers"][1].url
+    seen = prompt(590)
+    generate(w2, seen)  # only Redis can tell the router where this prompt is
+    wait_for(lambda: w2 in redis_holders(fleet, seen), what="the prompt in Redis")
+    suffix = iter(range(20_000, 30_000))
+    wait_for(lambda: routed_to(proc, seen + [next(suffix)]) == w2, what="precise from Redis")
+    groups = [prompt(600 + g) for g in range(8)]
+    holders = [routed_to(proc, ids + prompt(700 + g, BLOCK)) for g, ids in enumerate(groups)]
+    assert set(holders) == {w.url for w in fleet["workers"]}  # spread: a wrong pick can show
+    for ids, holder in zip(groups, holders):
+        wait_for(lambda i=ids, h=holder: h in redis_holders(fleet, i), what=f"{holder} in Redis")
+    fallbacks = metric(proc, "kvs_fallback_decisions_total")
+    fleet["redis"].kill()
+    try:
+        after = [routed_to(proc, ids + prompt(800 + g, BLOCK)) for g, ids in enumerate(groups)]
+        assert metric(proc, "kvs_fallback_decisions_total") == fallbacks + len(groups)
+    finally:
+        fleet["redis"].start()  # empty: the indexer rewrites it for the tests that follow
+    assert after == holders
 
 
 def index_matches_snapshots(fleet) -> bool:

@@ -68,9 +68,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         import redis  # noqa: F401
     except ImportError:
-        print(
-            "radixserve kv-indexer: needs redis-py (pip install radixserve[redis])", file=sys.stderr
-        )
+        print("radixserve kv-indexer: needs redis-py: pip install 'radixserve[redis]'",
+              file=sys.stderr)  # fmt: skip
         return 2
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip

@@ -137,6 +137,11 @@ class BlockIndex(ABC):
     def check_integrity(self) -> None:  # noqa: B027  (a hook: no-op by default)
         """Recount what the index keeps running counts of (nothing to recount by default)."""
 
+    def answering(self) -> bool:
+        """False while the index cannot be read at all (its store is down): kv_aware then
+        scores every worker from its approximate tree, as cache_aware would."""
+        return True
+
 
 @dataclass(slots=True)
 class _Worker:

@@ -5,9 +5,10 @@ BlockIndex that hands kv_aware each lookup's answer."""
 # The gate (Llumnix's flags): a lookup that fails is retried `--kvs-retry-times` times,
 # `--kvs-retry-interval-ms` apart; when they all fail the service is marked down for
 # `--kvs-metadata-service-down-duration-s`, during which requests do not wait on Redis at all:
-# every worker is "unknown" to the index, so kv_aware scores it from its approximate tree (the
-# same fallback as for a worker that publishes no events). The first request after the down
-# duration tries Redis again. /metrics shows the state (kvs_up) and the counts.
+# the index does not answer, so kv_aware scores every worker from its approximate tree, which
+# it keeps from its own dispatches while Redis serves too (as cache_aware does): no cold start.
+# The first request after the down duration tries Redis again. /metrics shows the state
+# (kvs_up) and the counts.
 #
 # Why the lookup happens before `select`, outside the policy: it is I/O, and the policy is pure.
 # The router awaits `prepare(request)` (an async Redis client: the event loop never blocks),
@@ -80,7 +81,7 @@ class RedisIndexReader(BlockIndex):
         self.stats = IndexStats()
         self.table: dict[str, WorkerEntry] = {}
         self.table_at = -math.inf
-        self.answer: dict[Hashable, int] = {}
+        self.answer: dict[Hashable, int] | None = {}  # None: Redis did not answer
         self.lookups = self.failures = self.fallbacks = 0
         self.lookup_seconds = 0.0
 
@@ -92,7 +93,7 @@ class RedisIndexReader(BlockIndex):
         if not token_ids:  # not tokenized: the approximate tree decides, Redis up or not
             return
         if not self.gate.up(loop.time()):
-            self.fallbacks += 1
+            self.fallbacks, self.answer = self.fallbacks + 1, None
             return
         t0, error = loop.time(), None
         for attempt in range(self.config.retry_times + 1):
@@ -110,7 +111,7 @@ class RedisIndexReader(BlockIndex):
             self.gate.mark_down(loop.time())
             log.warning("KV metadata service down (%r); routing from the approximate tree for "
                         "%.0f s", error, self.config.down_duration_s)  # fmt: skip
-        self.fallbacks += 1
+        self.fallbacks, self.answer = self.fallbacks + 1, None
 
     async def _lookup(self, token_ids: Sequence[int], namespace: str) -> dict[Hashable, int]:
         now = asyncio.get_running_loop().time()
@@ -160,7 +161,11 @@ class RedisIndexReader(BlockIndex):
     def prefix_tokens(
         self, workers: Iterable[WorkerId], keys_for: Callable[[int], Sequence[BlockKey]]
     ) -> dict[WorkerId, int]:
-        return {w: self.answer[w] for w in workers if w in self.answer}
+        answer = self.answer or {}
+        return {w: answer[w] for w in workers if w in answer}
+
+    def answering(self) -> bool:
+        return self.answer is not None
 
     def blocks(self) -> dict[WorkerId, int]:
         return {}

@@ -66,7 +66,9 @@ Registered as `--policy kv_aware`; pure (no I/O, no clock)."""
 #     whole prefill (the request adds little work), and sending it elsewhere copies the
 #     prompt into a second pool as well.
 #   - A worker that published events once and is unknown now (its stream broke, it restarted)
-#     is expected to hold nothing, not scored from the tree: the tree is what went stale.
+#     is expected to hold nothing, not scored from the tree: the tree is what went stale. While
+#     the index cannot answer at all (Redis down) every worker is scored from the tree, which
+#     on_dispatch keeps up to date all along, so the fallback is as warm as cache_aware.
 #   - A request without token ids (the router could not tokenize it) is scored from the
 #     approximate tree alone, with its key units standing in for tokens.
 
@@ -321,8 +323,10 @@ class KvAwarePolicy(RouterPolicy):
             out = self.index.prefix_tokens(ids, keys_for)
         self._published.update(out)
         # A worker that published before and is unknown now lost its stream (a gap, a
-        # restart): what the router once sent it says nothing about what it holds.
-        unknown = [w for w in ids if w not in out and w not in self._published]
+        # restart): what the router once sent it says nothing about what it holds. While the
+        # index as a whole cannot answer (Redis down) the tree speaks for every worker.
+        down = not self.index.answering()
+        unknown = [w for w in ids if w not in out and (down or w not in self._published)]
         total = units(request.key)
         if unknown and total:
             matches = self.tree.tenant_matches(request.key, request.namespace)

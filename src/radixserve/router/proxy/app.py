@@ -57,6 +57,7 @@ class Router(Endpoints):
 
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
+        # Redis (the optional extra) is imported only for --kv-index redis://
         self.kvs, self.policy = open_kv_index(config, self._worker_id)
         if self.kvs is None:
             self.policy = create_policy(config.policy, config.cache_policy)

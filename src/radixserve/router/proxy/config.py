@@ -179,7 +179,9 @@ class RouterConfig:
         if self.policy != "kv_aware":
             raise ValueError("--kv-index redis://... is read by --policy kv_aware only")
         if importlib.util.find_spec("redis") is None:
-            raise ValueError("--kv-index redis://... needs redis-py: pip install radixserve[redis]")
+            raise ValueError(
+                "--kv-index redis://... needs redis-py: pip install 'radixserve[redis]'"
+            )
         if self.kvs_retry_times < 0 or self.kvs_retry_interval_ms < 0 or self.kvs_timeout_ms <= 0:
             raise ValueError("kvs_retry_times, kvs_retry_interval_ms >= 0; kvs_timeout_ms > 0")
         if self.kvs_metadata_service_down_duration_s < 0:

@@ -236,6 +236,8 @@ class ConnectionPool:
         loop = asyncio.get_running_loop()
         ex = _Exchange(loop.create_future(), on_head)
         if conn.transport is None:
+            if fresh:  # a new connection closed before the request went out: nothing was sent
+                raise UpstreamError(f"{self.url} closed a new connection at once")
             raise _Stale
         ex.bind = bind
         conn.send(data, ex)
