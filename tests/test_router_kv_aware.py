@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from radixserve.router.kvindex.block_index import InMemoryIndex
 from radixserve.router.kvindex.event_format import BlockRemoved, BlockStored, namespace_string
 from radixserve.router.policies.base import RequestView, WorkerView
 from radixserve.router.policies.config import CachePolicyConfig
 from radixserve.router.policies.kv_aware import (
-from radixserve.router.kvindex.block_index import InMemoryIndex
     EVICTING_SECS,
     HELD_QUEUE_SPAN,
     KEEP_SHARE,
