@@ -5,12 +5,13 @@ the handlers read of it is the AdminHost protocol below (no import of app.py).""
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Protocol
 from urllib.parse import parse_qs, unquote
 
-from prometheus_client import generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from radixserve.router.proxy.connections import Request, error_body
+from radixserve.router.proxy.connections import ClientConn, Request, error_body
 from radixserve.router.proxy.workers import DuplicateWorker, Response, fan_out, resolve
 
 try:  # 5x faster on long prompts; the stdlib parser is the fallback
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
     from radixserve.router.policies.base import RouterPolicy
+    from radixserve.router.proxy.config import RouterConfig
     from radixserve.router.proxy.kv_setup import KvRouting
     from radixserve.router.proxy.workers import Worker, WorkerRegistry
 
@@ -29,13 +31,29 @@ if TYPE_CHECKING:
 class AdminHost(Protocol):
     """What the admin handlers use of the router they are mixed into."""
 
+    config: RouterConfig
     registry: WorkerRegistry
     policy: RouterPolicy
     kv: KvRouting | None
     metrics_registry: CollectorRegistry
+    routes: dict[str, dict[str, Handler]]
 
     async def admit(self, worker: Worker) -> bool: ...
     def _forward_headers(self, req: Request) -> bytes: ...
+    def _allowed(self, req: Request, route: str, conn: ClientConn) -> bool: ...
+    @staticmethod
+    def _authorized(req: Request, key: str | None, conn: ClientConn) -> bool: ...
+
+
+INFERENCE = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
+OPEN = frozenset({"/health", "/readiness", "/liveness", "/get_loads", "/metrics"})
+Handler = Callable[[Request], Awaitable[tuple[int, object]]]
+
+
+def not_allowed(conn: ClientConn, req: Request, allow: str) -> None:
+    """A 405 naming the methods `req.path` takes."""
+    msg = f"method {req.method} not allowed on {req.path} (allowed: {allow})"
+    conn.send_json(405, error_body(405, msg), headers=b"Allow: %s\r\n" % allow.encode())
 
 
 class Text(str):
@@ -44,6 +62,60 @@ class Text(str):
 
 class Endpoints:
     """Handlers: each takes the request and returns (status, JSON-able object or Text)."""
+
+    def add_routes(self: AdminHost) -> None:
+        """The admin API's routes, into `self.routes`."""
+
+        def route(method: str, handler: Handler, *paths: str) -> None:
+            for path in paths:
+                self.routes.setdefault(path, {})[method] = handler
+
+        route("GET", self.readiness, "/health", "/readiness")
+        route("GET", self.liveness, "/liveness")
+        route("GET", self.get_loads, "/get_loads")
+        route("GET", self.metrics, "/metrics")
+        route("GET", self.models, "/v1/models")
+        route("POST", self.flush_cache, "/flush_cache")
+        route("GET", self.list_workers, "/workers", "/list_workers")
+        route("POST", self.add_worker, "/workers", "/add_worker")
+        route("POST", self.remove_worker, "/remove_worker")
+        route("DELETE", self.remove_worker, "/workers/")
+
+    async def answer_admin(self: AdminHost, conn: ClientConn, req: Request) -> None:
+        """Answer a request that is not inference: route, method, access, then the handler."""
+        if req.path in INFERENCE:
+            not_allowed(conn, req, "POST")
+            return
+        route = req.path if not req.path.startswith("/workers/") else "/workers/"
+        methods = self.routes.get(route)
+        if methods is None:
+            conn.send_json(404, error_body(404, f"no route for {req.method} {req.path}"))
+            return
+        handler = methods.get("GET" if req.method == "HEAD" else req.method)
+        if handler is None:
+            not_allowed(conn, req, ", ".join(sorted(methods)))
+        elif self._allowed(req, route, conn):
+            status, obj = await handler(req)
+            if isinstance(obj, Text):
+                conn.send(status, CONTENT_TYPE_LATEST.encode(), obj.encode(), req.keep_alive)
+            else:
+                conn.send_json(status, obj, req.keep_alive)
+
+    def _allowed(self: AdminHost, req: Request, route: str, conn: ClientConn) -> bool:
+        """Probes and metrics are open; /v1/models is for inference clients; the rest is admin:
+        the admin key when there is one, else loopback clients only (an API key never grants
+        it: an API user must not send prompts to a host of their choosing, or remove workers)."""
+        if route in OPEN:
+            return True
+        if route == "/v1/models":
+            return self._authorized(req, self.config.api_key, conn)
+        if self.config.admin_api_key is not None:
+            return self._authorized(req, self.config.admin_api_key, conn)
+        if conn.local:
+            return True
+        msg = "worker management is open to loopback clients only (set --admin-api-key)"
+        conn.send_json(403, error_body(403, msg, "permission_error"))
+        return False
 
     async def liveness(self: AdminHost, req: Request) -> tuple[int, object]:
         return 200, {"status": "ok"}

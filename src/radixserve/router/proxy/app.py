@@ -14,16 +14,14 @@ import logging
 import random
 import time
 from bisect import bisect_left
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from functools import partial
 from typing import NamedTuple
-
-from prometheus_client import CONTENT_TYPE_LATEST
 
 from radixserve.router.policies.base import NoWorkerAvailable, RequestView
 from radixserve.router.policies.registry import create_policy
 from radixserve.router.policies.tree_keys import units
-from radixserve.router.proxy.admin import Endpoints, Text
+from radixserve.router.proxy.admin import INFERENCE, Endpoints, Handler
 from radixserve.router.proxy.admission import Admission
 from radixserve.router.proxy.config import RouterConfig
 from radixserve.router.proxy.connections import ClientConn, Request, error_body
@@ -45,11 +43,8 @@ except ImportError:  # pragma: no cover
 
 log = logging.getLogger("radixserve.router")
 
-INFERENCE = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
-OPEN = frozenset({"/health", "/readiness", "/liveness", "/get_loads", "/metrics"})
 RETRYABLE = frozenset({502, 503, 504})  # a 500 may be the request's own fault: not retried
 PARSE_INLINE = 1 << 20  # bodies above this are parsed in a thread, not on the event loop
-Handler = Callable[[Request], Awaitable[tuple[int, object]]]
 
 
 class Router(Endpoints):
@@ -81,24 +76,8 @@ class Router(Endpoints):
         self.server: asyncio.AbstractServer | None = None
         self._ticker: asyncio.Task[None] | None = None
         self.routes: dict[str, dict[str, Handler]] = {}
-        self._add_routes()
+        self.add_routes()
         self.metrics_registry = metrics_registry(self)
-
-    def _add_routes(self) -> None:
-        def route(method: str, handler: Handler, *paths: str) -> None:
-            for path in paths:
-                self.routes.setdefault(path, {})[method] = handler
-
-        route("GET", self.readiness, "/health", "/readiness")
-        route("GET", self.liveness, "/liveness")
-        route("GET", self.get_loads, "/get_loads")
-        route("GET", self.metrics, "/metrics")
-        route("GET", self.models, "/v1/models")
-        route("POST", self.flush_cache, "/flush_cache")
-        route("GET", self.list_workers, "/workers", "/list_workers")
-        route("POST", self.add_worker, "/workers", "/add_worker")
-        route("POST", self.remove_worker, "/remove_worker")
-        route("DELETE", self.remove_worker, "/workers/")
 
     async def start(self) -> int:
         """Listen and start background work; returns the bound port. Unreachable workers do not
@@ -180,7 +159,7 @@ class Router(Endpoints):
                     else:
                         self._overloaded(conn)
             else:
-                await self._handle(conn, req)
+                await self.answer_admin(conn, req)
         except Exception:
             log.exception("error while answering %s %s (request %s)", req.method, req.path,
                           req.rid)  # fmt: skip
@@ -188,46 +167,6 @@ class Router(Endpoints):
                 conn.abort_stream(500, "internal router error", keep_alive=False)
             else:
                 conn.send_json(500, error_body(500, "internal router error"), keep_alive=False)
-
-    async def _handle(self, conn: ClientConn, req: Request) -> None:
-        if req.path in INFERENCE:
-            self._not_allowed(conn, req, "POST")
-            return
-        route = req.path if not req.path.startswith("/workers/") else "/workers/"
-        methods = self.routes.get(route)
-        if methods is None:
-            conn.send_json(404, error_body(404, f"no route for {req.method} {req.path}"))
-            return
-        handler = methods.get("GET" if req.method == "HEAD" else req.method)
-        if handler is None:
-            self._not_allowed(conn, req, ", ".join(sorted(methods)))
-        elif self._allowed(req, route, conn):
-            status, obj = await handler(req)
-            if isinstance(obj, Text):
-                conn.send(status, CONTENT_TYPE_LATEST.encode(), obj.encode(), req.keep_alive)
-            else:
-                conn.send_json(status, obj, req.keep_alive)
-
-    @staticmethod
-    def _not_allowed(conn: ClientConn, req: Request, allow: str) -> None:
-        msg = f"method {req.method} not allowed on {req.path} (allowed: {allow})"
-        conn.send_json(405, error_body(405, msg), headers=b"Allow: %s\r\n" % allow.encode())
-
-    def _allowed(self, req: Request, route: str, conn: ClientConn) -> bool:
-        """Probes and metrics are open; /v1/models is for inference clients; the rest is admin:
-        the admin key when there is one, else loopback clients only (an API key never grants
-        it: an API user must not send prompts to a host of their choosing, or remove workers)."""
-        if route in OPEN:
-            return True
-        if route == "/v1/models":
-            return self._authorized(req, self.config.api_key, conn)
-        if self.config.admin_api_key is not None:
-            return self._authorized(req, self.config.admin_api_key, conn)
-        if conn.local:
-            return True
-        msg = "worker management is open to loopback clients only (set --admin-api-key)"
-        conn.send_json(403, error_body(403, msg, "permission_error"))
-        return False
 
     @staticmethod
     def _authorized(req: Request, key: str | None, conn: ClientConn) -> bool:
