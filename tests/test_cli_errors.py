@@ -32,6 +32,7 @@ SERVE = [
     (["--page-size", "0"], "--page-size must be >= 1"),
     (["--max-total-tokens", "0"], "--max-total-tokens must be >= 1"),
     (["--page-size", "16", "--chunked-prefill-size", "8"], "chunked_prefill_size must be -1"),
+    (["--sampling-seed", str(2**64)], "--sampling-seed must be < 18446744073709551616"),
     (["--device", "nonsense"], "--device is not a torch device"),
     (["--weights-cache-dir", "/etc/hostname/cache"], "--weights-cache-dir"),
     (["--port", "70000"], "--port must be <= 65535"),

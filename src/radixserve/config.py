@@ -144,7 +144,9 @@ class ModelConfig:
         "where a .gguf model is converted (dequantized) once, keyed by its content, and reused",
         check=lambda d: _dir_problem(d),
     )
-    sampling_seed: int = _f(0, "seed of the sampler for requests that carry no seed of their own")
+    sampling_seed: int = _f(
+        0, "seed of the sampler for requests that carry no seed of their own", ge=0, lt=2**64
+    )
     num_threads: int = _f(
         0,
         "torch CPU threads of the model (0: one per core but one, left to the API and "
