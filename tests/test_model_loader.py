@@ -91,7 +91,7 @@ def test_a_first_conversion_prints_its_progress(tiny_pair, tmp_path, capfd):
     layers = json.loads((next(tmp_path.glob("gguf-*")) / "config.json").read_text())
     n = layers["num_hidden_layers"]
     assert err[0].startswith(f"radixserve: converting {gguf_path.name} once into ")
-    assert [f"radixserve: {gguf_path.name}: layer {i}/{n}" for i in range(1, n + 1)] == [
+    assert [f"radixserve: converting {gguf_path.name}: layer {i}/{n}" for i in range(1, n + 1)] == [
         line for line in err if ": layer " in line
     ]
     assert err[-1].startswith(f"radixserve: converted {gguf_path.name} in ")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import operator
 import os
 import re
 import types
@@ -37,13 +38,16 @@ def bound_problem(value: Any, meta: typing.Mapping[str, Any]) -> str | None:
         return None
     if isinstance(value, float) and math.isnan(value):
         return "must be a number (got nan)"
-    tests = (("ge", ">=", value.__ge__), ("gt", ">", value.__gt__),
-             ("le", "<=", value.__le__), ("lt", "<", value.__lt__))  # fmt: skip
-    for key, op, ok in tests:
-        if key in meta and ok(meta[key]) is not True:
+    for key, op, holds in _BOUNDS:
+        if key in meta and not holds(value, meta[key]):
             also = "".join(f" or {a}" for a in meta.get("also", ()))
-            return f"must be {op} {meta[key]}{also} (got {value:g})"
+            shown = f"{value:g}" if isinstance(value, float) else repr(value)
+            return f"must be {op} {meta[key]}{also} (got {shown})"
     return None
+
+
+_BOUNDS = (("ge", ">=", operator.ge), ("gt", ">", operator.gt),
+           ("le", "<=", operator.le), ("lt", "<", operator.lt))  # fmt: skip
 
 
 def check_fields(obj: Any) -> None:
@@ -168,7 +172,10 @@ def _device(text: str) -> str | None:
     """What keeps ``text`` from naming a usable torch device (torch imported only if not cpu)."""
     if text == "cpu":
         return None
-    import torch
+    try:
+        import torch
+    except ImportError:
+        return f"{text!r} needs torch (pip install 'radixserve[engine]')"
 
     try:
         device = torch.device(text)

@@ -148,7 +148,9 @@ def write_hf_dir(gguf_path: Path, out: Path, progress: Progress | None = None) -
     say = progress or (lambda line: None)
     reader = GGUFReader(str(gguf_path))
     meta = {name: _value(f) for name, f in reader.fields.items()}
-    tensors = _tensors(reader, meta, lambda layer, of: say(f"{gguf_path.name}: layer {layer}/{of}"))
+    tensors = _tensors(
+        reader, meta, lambda layer, of: say(f"converting {gguf_path.name}: layer {layer}/{of}")
+    )
     tokenizer = build_tokenizer(meta)
     tokenizer.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(meta), indent=2))
