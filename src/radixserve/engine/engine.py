@@ -2,6 +2,8 @@
 
 engine = Engine(model="path/or/file.gguf")      # no model: the built-in SmolLM2-135M
 outs = engine.generate(["Hello"], {"max_new_tokens": 16, "temperature": 0})
+out = await engine.async_generate("Hello", sp)                       # from any event loop
+async for chunk in await engine.async_generate("Hello", sp, stream=True): ...   # sglang's shape
 engine.shutdown()
 """
 
