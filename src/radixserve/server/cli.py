@@ -16,6 +16,7 @@ from radixserve.config import (
     CacheConfig,
     ModelConfig,
     SchedulerConfig,
+    add_check,
     add_dataclass_args,
     from_args,
 )
@@ -38,36 +39,45 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         description="Serve one model (or a simulated one) over HTTP: OpenAI /v1/completions "
         "and /v1/chat/completions, SGLang /generate, health, info and Prometheus /metrics.",
     )
-    add_dataclass_args(parser, ServerConfig, "server")
-    add_dataclass_args(parser, ModelConfig, "model")
-    add_dataclass_args(parser, CacheConfig, "cache")
-    add_dataclass_args(parser, SchedulerConfig, "scheduler")
+    add_dataclass_args(parser, ServerConfig, "server", check=False)
+    add_dataclass_args(parser, ModelConfig, "model", check=False)
+    add_dataclass_args(parser, CacheConfig, "cache", check=False)
+    add_dataclass_args(parser, SchedulerConfig, "scheduler", check=False)
     parser.add_argument_group("kv events").add_argument(
         "--kv-events-config", default=None, metavar="JSON",
         help="publish KV-cache events as vLLM does, e.g. '{\"endpoint\": \"tcp://*:5557\", "
         "\"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"\", \"block_size\": 16}' "
         "(vLLM's and SGLang's keys, plus block_size, hash_algo, hash_seed)",
     )  # fmt: skip
+    add_check(parser, configs)  # every setting is checked before any process starts
     parser.set_defaults(run=run)
     return parser
+
+
+def configs(args: argparse.Namespace) -> tuple[ServerConfig, Any]:
+    """ServerConfig and EngineConfig from the flags; ValueError says what is wrong."""
+    from radixserve.engine.kv_events import KVEventsConfig
+    from radixserve.engine.launch import EngineConfig
+    from radixserve.sched.validate import check_config
+
+    server = from_args(ServerConfig, args)
+    events = getattr(args, "kv_events_config", None)
+    engine_config = EngineConfig(from_args(ModelConfig, args), from_args(CacheConfig, args),
+                                 from_args(SchedulerConfig, args), sim=server.sim,
+                                 sim_vocab_size=server.sim_vocab_size,
+                                 kv_events=None if events is None
+                                 else KVEventsConfig.from_json(events))  # fmt: skip
+    check_config(engine_config.sched, engine_config.cache.page_size)
+    return server, engine_config
 
 
 def run(args: argparse.Namespace) -> int:
     """Bind the address first (a port in use fails at once, not after loading the model), then
     launch the engine, then listen: the server is ready once it accepts connections."""
-    from radixserve.engine.kv_events import KVEventsConfig
-    from radixserve.engine.launch import EngineConfig
-
     try:
-        server = from_args(ServerConfig, args)
-        events = getattr(args, "kv_events_config", None)
-        engine_config = EngineConfig(from_args(ModelConfig, args), from_args(CacheConfig, args),
-                                     from_args(SchedulerConfig, args), sim=server.sim,
-                                     sim_vocab_size=server.sim_vocab_size,
-                                     kv_events=None if events is None
-                                     else KVEventsConfig.from_json(events))  # fmt: skip
+        server, engine_config = configs(args)
     except ValueError as e:
-        print(f"radixserve serve: {e}", file=sys.stderr)
+        print(f"radixserve serve: error: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=server.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip

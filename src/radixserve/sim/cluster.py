@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from radixserve.config import CacheConfig, SchedulerConfig
+from radixserve.config import CacheConfig, SchedulerConfig, check_fields
 from radixserve.router.policies.base import RequestView, WorkerView
 from radixserve.router.policies.config import CachePolicyConfig
 from radixserve.router.policies.registry import create_policy, policy_names
@@ -50,13 +50,13 @@ def _f(default: object, help: str, **kw: object) -> object:
 class ClusterConfig:
     """The simulated fleet: how many engines, on which GPU and model, behind which router."""
 
-    engines: int = _f(8, "engines (workers) behind the router")
+    engines: int = _f(8, "engines (workers) behind the router", ge=1)
     router: str = _f(
         "cache_aware", "router policy (as `radixserve route --policy`)", choices=policy_names()
     )
     preset: str = _f("llama3-8b-h100", "cost model of every engine: GPU and model")
     max_concurrency: int | None = _f(
-        None, "most requests in flight; later ones wait client-side (None: open loop)"
+        None, "most requests in flight; later ones wait client-side (None: open loop)", ge=1
     )
     sim_seed: int = _f(0, "seed of the router policy and of the simulated runners")
     cache_policy: CachePolicyConfig = field(
@@ -68,10 +68,7 @@ class ClusterConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.engines < 1:
-            raise ValueError(f"engines must be >= 1, got {self.engines}")
-        if self.max_concurrency is not None and self.max_concurrency < 1:
-            raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+        check_fields(self)
         get_cost_model(self.preset)  # unknown presets fail here, listing the known ones
 
 
