@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -17,15 +19,42 @@ from radixserve.kvstore import mooncake_procs as mp
 SEGMENT_BYTES = 256 << 20
 
 
+_IMPORT_ERROR: list[str] = []  # the answer of the one check this process makes
+
+
 def require_mooncake() -> None:
-    """Skip unless the non-CUDA wheel imports (it also needs Debian's libibverbs1)."""
-    try:
-        import mooncake.store  # noqa: F401
-    except ImportError as exc:
+    """Skip unless the non-CUDA wheel imports (it also needs Debian's libibverbs1). Checked in a
+    child process: loading Mooncake here would fix this process's port ranges too early."""
+    if not _IMPORT_ERROR:
+        probe = subprocess.run([sys.executable, "-c", "import mooncake.store"],
+                               capture_output=True, text=True, timeout=60)  # fmt: skip
+        lines = probe.stderr.strip().splitlines()
+        _IMPORT_ERROR.append("" if probe.returncode == 0 else (lines or ["?"])[-1])
+    if _IMPORT_ERROR[0]:
         pytest.skip(
             "Mooncake Store is not installed: pip install "
-            f"mooncake-transfer-engine-non-cuda==0.3.13.post1 and apt-get install libibverbs1 ({exc})"
+            "mooncake-transfer-engine-non-cuda==0.3.13.post1 and apt-get install libibverbs1 "
+            f"({_IMPORT_ERROR[0]})"
         )
+
+
+_PINNED: dict[str, str] = {}
+
+
+def pin_this_process() -> dict[str, str]:
+    """This (test) process's own MC_* windows, set once before Mooncake loads here."""
+    if not _PINNED:
+        _PINNED.update(mp.port_env(mp.port_window(), mp.port_window(16)))
+        os.environ.update(_PINNED)
+    return dict(_PINNED)
+
+
+def backend_ports(env: dict[str, str]) -> dict[str, str]:
+    """The same windows as the mooncake backend's extra-config keys."""
+    return {
+        "te_port_range": f"{env['MC_MIN_RPC_PORT']}-{env['MC_MAX_RPC_PORT']}",
+        "client_port_range": f"{env['MC_STORE_CLIENT_MIN_PORT']}-{env['MC_STORE_CLIENT_MAX_PORT']}",
+    }
 
 
 class MooncakeCluster:

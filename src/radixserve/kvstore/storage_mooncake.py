@@ -22,6 +22,7 @@ import ctypes
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -86,7 +87,7 @@ class MooncakeBackend(StorageBackend):
                                  "MC_STORE_CLIENT_MAX_PORT")}  # fmt: skip
         self.gate = DownGate(float(opts["down_duration_s"]), clock)
         self.batch_pages = max(1, int(opts["batch_pages"]))
-        self._store_cls = _store_class()
+        self._store_cls = _store_class(self.env)
         self._lock = threading.Lock()
         self._store = None
         self._staging = bytearray(self.batch_pages * fmt.value_nbytes)
@@ -110,7 +111,6 @@ class MooncakeBackend(StorageBackend):
         master = self.opts["master_server_address"]
         if not _master_listens(master):
             return self._down(f"master {master} does not answer", at_start=self._store is None)
-        os.environ.update(self.env)  # Mooncake reads its port ranges from the environment only
         os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "2")
         store = self._store_cls()
         o = self.opts
@@ -226,7 +226,16 @@ class MooncakeBackend(StorageBackend):
                 self._store = None
 
 
-def _store_class():
+def _store_class(env: dict[str, str]):
+    """Mooncake's client class, its port ranges set first: the transfer engine's range is read
+    once, when the library loads, so a process that loaded it with other ranges cannot honour
+    ours (refused rather than silently using other ports)."""
+    if "mooncake.store" in sys.modules:
+        clash = {k: v for k, v in env.items() if os.environ.get(k) != v}
+        if clash:
+            raise ValueError(f"mooncake backend: Mooncake was loaded in this process before its "
+                             f"port ranges were set to {clash}; set them before it loads")  # fmt: skip
+    os.environ.update(env)
     try:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as exc:
