@@ -31,7 +31,11 @@ def cluster():
 
 
 def backend(cluster, fmt=None, **extra):
-    cfg = {"master_server_address": cluster.master_rpc, **backend_ports(pin_this_process()), **extra}
+    cfg = {
+        "master_server_address": cluster.master_rpc,
+        **backend_ports(pin_this_process()),
+        **extra,
+    }
     return create_backend("mooncake", fmt or PageFormat(NS, PAGE), cfg)
 
 

@@ -87,7 +87,9 @@ def _writer(root: str, key: str, byte: int, barrier) -> None:
 def test_file_concurrent_writers_leave_one_whole_value(tmp_path):
     key, ctx = keys(1)[0], multiprocessing.get_context("spawn")
     barrier = ctx.Barrier(4)
-    procs = [ctx.Process(target=_writer, args=(str(tmp_path), key, b, barrier)) for b in (1, 2, 3, 4)]
+    procs = [
+        ctx.Process(target=_writer, args=(str(tmp_path), key, b, barrier)) for b in (1, 2, 3, 4)
+    ]
     for p in procs:
         p.start()
     for p in procs:

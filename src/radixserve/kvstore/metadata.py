@@ -69,7 +69,9 @@ def parse_batch_query(body: bytes | str, keys: Sequence[str]) -> list[KeyLocatio
         raise MetadataAnswerError("answer has no 'data' map")
     missing = [k for k in keys if k not in data]
     if missing:
-        raise MetadataAnswerError(f"answer lacks {len(missing)} queried key(s), e.g. {missing[0]!r}")
+        raise MetadataAnswerError(
+            f"answer lacks {len(missing)} queried key(s), e.g. {missing[0]!r}"
+        )
     return [_location(data[k]) for k in keys]
 
 
@@ -86,7 +88,9 @@ def _location(item: object) -> KeyLocation:
             endpoint = SHARED if endpoint_field is None else rep.get(endpoint_field)
             if not isinstance(endpoint, str):
                 raise MetadataAnswerError(f"{field} entry has no {endpoint_field}: {rep!r}")
-            replicas.append(Replica(endpoint, medium, int(rep.get("size_", rep.get("object_size", 0)))))
+            replicas.append(
+                Replica(endpoint, medium, int(rep.get("size_", rep.get("object_size", 0))))
+            )
     return KeyLocation(True, tuple(replicas))
 
 
