@@ -215,9 +215,8 @@ class MooncakeBackend(StorageBackend):
             return 0
         ok = sum(1 for c in codes if c == 0)
         self.stats.put_failures += len(keys) - ok
-        self.stats.pages_written += (
-            ok  # "already there" reads as 0 too: the count is an upper bound
-        )
+        # a key already there also answers 0 (kept, not rewritten): an upper bound of writes
+        self.stats.pages_written += ok
         self.stats.bytes_written += ok * self.fmt.page_nbytes
         return ok
 
