@@ -28,6 +28,8 @@ from typing import Any
 
 import xxhash
 
+from radixserve.cache.hashing import block_hashes
+
 MAGIC, VERSION = b"RSKV", 1
 HEADER = struct.Struct("<4sHHQ16s16sQ")
 Buffer = Any  # a writable (get) or readable (put) bytes-like object of exactly page_nbytes
@@ -94,6 +96,19 @@ def namespace(model: str, dtype: str, layout: str, page_size: int, extra: str = 
     """One string naming everything that must match for KV bytes to be interchangeable (as
     SGLang's unified key scheme): model identity, KV dtype, layer/head layout, tokens per page."""
     return f"model={model};dtype={dtype};layout={layout};page={page_size};{extra}"
+
+
+def page_keys(
+    token_ids: Sequence[int],
+    page_size: int,
+    algorithm: str = "sha256",
+    seed: int = 0,
+    namespace: str | None = None,
+) -> list[str]:
+    """The storage keys of the whole pages of ``token_ids``: cache/hashing.py's chained hashes
+    (the ones a router computes from token ids alone), as strings (xxhash64 as 16 hex digits)."""
+    hashes = block_hashes(token_ids, page_size, algorithm, seed, namespace)
+    return [h if isinstance(h, str) else f"{h:016x}" for h in hashes]
 
 
 @dataclass(slots=True)
