@@ -9,8 +9,8 @@ fast the master says where keys live.
    put_pages / get_pages (header framing, checksum, checks, one staging copy) against raw
    Mooncake on the same client and the same payload bytes, both raw APIs: put_batch / get_batch
    (bytes objects) and batch_put_from / batch_get_into (registered buffer, zero copy, the API
-   the backend is built on). Rounds alternate between the paths; medians; fresh keys for every
-   put (values are write-once). Goal: backend <= 1.2x the raw time.
+   the backend is built on). Rounds alternate between the paths, each path leading in turn;
+   medians; fresh keys (64 hex digits, as sha256 page keys) for every put (write-once values). Goal: backend <= 1.2x the raw time.
 2. /batch_query_keys answer time for 8 / 32 / 128 keys (all present), through the metadata
    client (httpx, keep-alive), against the master's /health on the same connection (the HTTP
    round-trip floor); p50 and p99.
@@ -100,8 +100,10 @@ def bench_throughput(cluster: MooncakeCluster, page: int, batch: int, rounds: in
         "get raw batch_get_into": lambda: raw.get_into(read_keys["raw_into"], page),
         "get raw get_batch": lambda: raw.get_batch(read_keys["raw_bytes"]),
     }
-    for _ in range(rounds):
-        for name, fn in paths.items():
+    names = list(paths)
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:  # each path leads in turn
+            fn = paths[name]
             if name.startswith("put"):
                 keys = fresh_keys(batch)  # hashing outside the timed call
                 fn = _bind_keys(name, backend, raw, keys, pages, page)

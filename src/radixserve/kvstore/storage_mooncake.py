@@ -117,6 +117,7 @@ class MooncakeBackend(StorageBackend):
         rc = store.setup(o["local_hostname"], o["metadata_server"], int(o["global_segment_size"]),
                          int(o["local_buffer_size"]), o["protocol"], o["device_name"], master)  # fmt: skip
         if rc != 0 or store.register_buffer(self._staging_addr, len(self._staging)) != 0:
+            store.close()  # a half-set-up client keeps threads and ports otherwise
             return self._down(f"setup against {master} returned {rc}", at_start=True)
         self._store = store
         if self.gate.succeeded() or self.gate.outages == 0:
