@@ -19,6 +19,7 @@ from radixserve.kvstore.metadata import (
     KeyLocation,
     MetadataAnswerError,
     Replica,
+    loadable_prefix,
     parse_batch_query,
     prefix_by_holder,
     present_prefix,
@@ -54,6 +55,18 @@ def test_parse_real_answer_maps_keys_to_their_holders():
             n += 1
         assert runs.get(holder, 0) == n
     assert set(runs) <= {store, engine}
+
+
+def test_loadable_prefix_counts_the_store_process_for_every_worker():
+    keys, store = FIXTURE["keys"], FIXTURE["store_endpoint"]
+    engine = next(e for e in FIXTURE["endpoints"] if e != store)
+    locs = parse_batch_query(json.dumps(FIXTURE["answer"]), keys)
+    on_engine_only = [i for i, loc in enumerate(locs[:4])
+                      if {r.endpoint for r in loc.replicas} == {engine}]  # fmt: skip
+    first_gap = on_engine_only[0] if on_engine_only else 4
+    got = loadable_prefix(locs, {"A": engine, "B": None, "C": "127.0.0.1:1"}, shared=[store])
+    assert got == {"A": 4, "B": first_gap, "C": first_gap}
+    assert loadable_prefix(locs, {"A": engine}) == {"A": prefix_by_holder(locs).get(engine, 0)}
 
 
 def test_parse_is_by_key_not_by_position():

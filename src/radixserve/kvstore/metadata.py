@@ -19,7 +19,7 @@ port) turned into where each chained page key lives, and each holder's longest p
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from urllib.parse import quote
 
@@ -114,6 +114,26 @@ def prefix_by_holder(locations: Sequence[KeyLocation]) -> dict[str, int]:
         if n:
             runs[holder] = n
     return runs
+
+
+def loadable_prefix(
+    locations: Sequence[KeyLocation],
+    worker_endpoints: Mapping[Hashable, str | None],
+    shared: Collection[str] = (),
+) -> dict[Hashable, int]:
+    """Each worker's contiguous prefix it can load: keys held by its own segment (the endpoint
+    it reports; None when it holds none) or by a shared holder (the store process's endpoint in
+    ``shared``, or a SHARED disk replica), which every worker reads."""
+    common = set(shared) | {SHARED}
+    held = [_holders(loc) for loc in locations]
+    out: dict[Hashable, int] = {}
+    for worker, endpoint in worker_endpoints.items():
+        mine = common | ({endpoint} if endpoint else set())
+        n = 0
+        while n < len(held) and held[n] & mine:
+            n += 1
+        out[worker] = n
+    return out
 
 
 def _holders(loc: KeyLocation) -> set[str]:

@@ -12,13 +12,16 @@ shared segment) with every port chosen explicitly, and knowing when they are rea
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import json
 import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -162,8 +165,17 @@ def segment_of(metrics_addr: str, name: str) -> dict | None:
         return None
 
 
+def _die_with_parent() -> None:
+    """Linux: SIGTERM this child when the process that started it dies, even by SIGKILL."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def spawn(cmd: list[str], env: dict[str, str] | None, log_path: Path) -> subprocess.Popen:
-    """A child in its own session (a terminal's Ctrl-C goes to the parent, which stops it)."""
+    """A child in its own session (a terminal's Ctrl-C goes to the parent, which stops it) that
+    dies with its parent: no orphaned master or store after a crashed test or command."""
     with open(log_path, "ab") as log:
         return subprocess.Popen(
             cmd,
@@ -172,6 +184,7 @@ def spawn(cmd: list[str], env: dict[str, str] | None, log_path: Path) -> subproc
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
         )
 
 
