@@ -171,6 +171,9 @@ def test_client_retries_then_gates_then_comes_back(cluster, stored, caplog):
         t0 = time.monotonic()
         assert client.query(stored) is None and client.stats.failures == 6  # gated: not tried
         assert time.monotonic() - t0 < 0.05
+        other = MooncakeMetadataClient(cfg)  # the asyncio path retries and gates the same way
+        assert asyncio.run(_aquery(other, stored)) is None
+        assert other.stats.failures == 6 and not other.up
     finally:
         cluster.start_master()
         cluster.wait_store_mounted()
@@ -178,6 +181,6 @@ def test_client_retries_then_gates_then_comes_back(cluster, stored, caplog):
     locs = client.query(stored)
     assert locs is not None and client.up
     assert present_prefix(locs) == 0  # a restarted master knows no key
-    assert len([r for r in caplog.records if "down (" in r.getMessage()]) == 1
+    assert len([r for r in caplog.records if "down (" in r.getMessage()]) == 2  # one per client
     assert any("is back" in r.getMessage() for r in caplog.records)
     client.close()
