@@ -33,7 +33,7 @@ from mooncake_harness import MooncakeCluster, backend_ports, pin_this_process
 from radixserve.cache.hashing import block_hashes
 from radixserve.kvstore.metadata import present_prefix
 from radixserve.kvstore.metadata_client import KvsMetadataConfig, MooncakeMetadataClient
-from radixserve.kvstore.storage import PageFormat, create_backend, namespace
+from radixserve.kvstore.storage import PageFormat, create_backend
 
 # SmolLM2-135M's KV for one 16-token page: 30 layers x (K, V) x 3 KV heads x 64 dims x 2 bytes
 SMOLLM2_PAGE = 30 * 2 * 3 * 64 * 16 * 2
@@ -80,7 +80,7 @@ def timed(fn) -> float:
 
 
 def bench_throughput(cluster: MooncakeCluster, page: int, batch: int, rounds: int) -> None:
-    fmt = PageFormat(namespace("smollm2-135m", "bfloat16", "L30xKV3x64", 16), page)
+    fmt = PageFormat("rkv1-smollm2-135m-bf16-p16", page)
     cfg = {"master_server_address": cluster.master_rpc, **backend_ports(pin_this_process()),
            "batch_pages": batch, "local_buffer_size": 2 * batch * page + (16 << 20)}  # fmt: skip
     backend = create_backend("mooncake", fmt, cfg)

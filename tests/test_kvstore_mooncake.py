@@ -17,9 +17,9 @@ from mooncake_harness import MooncakeCluster, backend_ports, pin_this_process
 from radixserve.cache.hashing import block_hashes
 from radixserve.kvstore.metadata import parse_batch_query, prefix_by_holder, query_path
 from radixserve.kvstore.mooncake_procs import admin_get
-from radixserve.kvstore.storage import PageFormat, create_backend, namespace
+from radixserve.kvstore.storage import PageFormat, create_backend
 
-NS = namespace("smollm2-135m", "bfloat16", "L30xH3x64", 16)
+NS = "rkv1-smollm2-135m-bf16-p16"  # a KVNamespace digest stand-in
 PAGE = 64 << 10
 
 
@@ -100,7 +100,7 @@ def test_wrong_namespace_or_size_is_refused_never_loaded(cluster):
     keys = page_keys(list(range(4000, 4032)))
     writer = backend(cluster)
     assert writer.put_pages(keys, [page(1), page(2)]) == 2
-    other_model = backend(cluster, PageFormat(namespace("llama-3-8b", "bfloat16", "L32", 16), PAGE))
+    other_model = backend(cluster, PageFormat("rkv1-llama-3-8b-bf16-p16", PAGE))
     buf = [bytearray(PAGE)]
     assert other_model.get_pages(keys[:1], buf) == 0 and buf[0] == bytearray(PAGE)
     assert other_model.stats.refused["namespace"] == 1

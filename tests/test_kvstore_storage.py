@@ -10,9 +10,9 @@ import pytest
 
 from radixserve.cache.hashing import block_hashes
 from radixserve.kvstore.gate import DownGate
-from radixserve.kvstore.storage import HEADER, PageFormat, create_backend, namespace, page_keys
+from radixserve.kvstore.storage import HEADER, PageFormat, create_backend
 
-NS = namespace("smollm2-135m", "bfloat16", "L30xH3x64", 16)
+NS = "rkv1-smollm2-135m-bf16-p16"  # a KVNamespace digest stand-in: any non-empty string
 FMT = PageFormat(NS, 4096)
 
 
@@ -145,13 +145,3 @@ def test_down_gate_refuses_for_the_duration_then_retries():
     assert gate.failed("again") is False and not gate.allow()  # still down: no second log line
     now[0] += 30
     assert gate.allow() and gate.succeeded() is True and gate.up and gate.outages == 1
-
-
-def test_page_keys_are_the_routers_chained_hashes_as_strings():
-    ids = list(range(40))
-    assert page_keys(ids, 16, "sha256", namespace=NS) == block_hashes(
-        ids, 16, "sha256", namespace=NS
-    )
-    xx = page_keys(ids, 16, "xxhash64", seed=7)
-    assert xx == [f"{h:016x}" for h in block_hashes(ids, 16, "xxhash64", seed=7)] and len(xx) == 2
-    assert page_keys(ids[:20], 16, "xxhash64", seed=7) == xx[:1]  # chained: a prefix's keys

@@ -28,8 +28,6 @@ from typing import Any
 
 import xxhash
 
-from radixserve.cache.hashing import block_hashes
-
 MAGIC, VERSION = b"RSKV", 1
 HEADER = struct.Struct("<4sHHQ16s16sQ")
 Buffer = Any  # a writable (get) or readable (put) bytes-like object of exactly page_nbytes
@@ -41,8 +39,9 @@ def _digest(text: str) -> bytes:
 
 @dataclass(frozen=True, slots=True)
 class PageFormat:
-    """What must match for stored bytes to be loadable here: the namespace (model, dtype, layer
-    and head layout, page size: see ``namespace``) and the page's byte size."""
+    """What must match for stored bytes to be loadable here: the namespace (everything that
+    makes KV bytes interchangeable: the engine passes ``cache.hashing.KVNamespace.digest()``)
+    and the page's byte size."""
 
     namespace: str
     page_nbytes: int
@@ -90,25 +89,6 @@ class PageFormat:
         if xxhash.xxh3_64_intdigest(view[HEADER.size :]) != checksum:
             return "checksum"
         return None
-
-
-def namespace(model: str, dtype: str, layout: str, page_size: int, extra: str = "") -> str:
-    """One string naming everything that must match for KV bytes to be interchangeable (as
-    SGLang's unified key scheme): model identity, KV dtype, layer/head layout, tokens per page."""
-    return f"model={model};dtype={dtype};layout={layout};page={page_size};{extra}"
-
-
-def page_keys(
-    token_ids: Sequence[int],
-    page_size: int,
-    algorithm: str = "sha256",
-    seed: int = 0,
-    namespace: str | None = None,
-) -> list[str]:
-    """The storage keys of the whole pages of ``token_ids``: cache/hashing.py's chained hashes
-    (the ones a router computes from token ids alone), as strings (xxhash64 as 16 hex digits)."""
-    hashes = block_hashes(token_ids, page_size, algorithm, seed, namespace)
-    return [h if isinstance(h, str) else f"{h:016x}" for h in hashes]
 
 
 @dataclass(slots=True)
