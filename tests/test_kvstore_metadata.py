@@ -15,6 +15,7 @@ import pytest
 from mooncake_harness import MooncakeCluster, backend_ports, pin_this_process
 from radixserve.cache.hashing import block_hashes
 from radixserve.kvstore.metadata import (
+    NOT_QUERIED,
     SHARED,
     KeyLocation,
     MetadataAnswerError,
@@ -23,6 +24,7 @@ from radixserve.kvstore.metadata import (
     parse_batch_query,
     prefix_by_holder,
     present_prefix,
+    query_chunks,
     query_path,
 )
 from radixserve.kvstore.metadata_client import KvsMetadataConfig, MooncakeMetadataClient
@@ -117,6 +119,16 @@ def test_query_path_refuses_keys_the_master_would_split():
             query_path(bad)
 
 
+def test_query_chunks_bound_every_request():
+    keys = [f"rkv1-0123456789abcdef_{i:064x}" for i in range(600)]  # f's key shape, 86 chars
+    chunks = query_chunks(keys, 4096)
+    assert [k for c in chunks for k in c] == keys and len(chunks) > 10
+    assert all(len(query_path(c)) <= 4096 for c in chunks)
+    assert query_chunks(keys[:3]) == [keys[:3]]
+    with pytest.raises(ValueError, match="does not fit"):
+        query_chunks(["k" * 5000], 4096)
+
+
 # --- the client against a real master ----------------------------------------------------------
 
 
@@ -154,6 +166,23 @@ async def _aquery(client, keys):
         return await client.aquery(keys)
     finally:
         await client.aclose()
+
+
+def test_long_prompts_are_asked_in_bounded_requests(cluster):
+    """500+ page keys (an 8,000-token prompt) in one query would pass 64 KiB of URL, which HTTP
+    clients refuse: the client cuts them into bounded requests and stops at the first chunk
+    whose prefix ends."""
+    cfg = {"master_server_address": cluster.master_rpc, **backend_ports(pin_this_process())}
+    b = create_backend("mooncake", PageFormat("model=long", 64), cfg)
+    keys = [f"rkv1-0123456789abcdef_{i:064x}" for i in range(800)]
+    assert b.put_pages(keys[:450], [bytes(64)] * 450) == 450
+    client = MooncakeMetadataClient(KvsMetadataConfig(cluster.metrics_addr))
+    locs = client.query(keys)
+    assert len(locs) == 800 and present_prefix(locs) == 450
+    assert prefix_by_holder(locs) == {cluster.store_endpoint: 450}
+    assert locs[-1].error == NOT_QUERIED  # the chunk with key 450 ended every prefix
+    assert asyncio.run(_aquery(client, keys)) == locs
+    b.close()
 
 
 def test_client_retries_then_gates_then_comes_back(cluster, stored, caplog):

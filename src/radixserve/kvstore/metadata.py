@@ -14,7 +14,9 @@ port) turned into where each chained page key lives, and each holder's longest p
 # segment's holder (an engine, or the store process that serves every engine); a disk replica
 # on a shared file system has no holder and is readable by all (endpoint SHARED).
 # The master splits `keys` on ',' after URL-decoding, so a key containing ',' cannot be asked
-# for: it is refused when the query is built.
+# for: it is refused when the query is built. A long prompt's keys go in several requests of
+# bounded length (query_chunks); once a chunk's keys stop being held anywhere, no holder's prefix
+# can grow, so the keys after it are not asked for and read as NOT_QUERIED misses.
 
 from __future__ import annotations
 
@@ -46,6 +48,10 @@ class KeyLocation:
     error: str | None = None
 
 
+MAX_PATH_BYTES = 16_384  # one request's path; HTTP clients refuse URLs over 64 KiB (httpx)
+NOT_QUERIED = "NOT_QUERIED"  # error of keys after a chunk whose prefix ended: none can extend it
+
+
 def query_path(keys: Sequence[str]) -> str:
     """The request path for ``keys`` (at least one; none may contain ',' or be empty)."""
     if not keys:
@@ -54,6 +60,25 @@ def query_path(keys: Sequence[str]) -> str:
         if not key or "," in key:
             raise ValueError(f"key {key!r} cannot be queried (empty, or contains ',')")
     return "/batch_query_keys?keys=" + quote(",".join(keys), safe=",")
+
+
+def query_chunks(keys: Sequence[str], max_path: int = MAX_PATH_BYTES) -> list[list[str]]:
+    """``keys`` cut into consecutive runs whose query path fits ``max_path`` bytes (a prompt of
+    8,000 tokens in 16-token pages is 500 keys, ~45 KB of path). A key too long for one path is
+    a ValueError."""
+    chunks: list[list[str]] = []
+    budget = max_path - len(query_path(["x"])) + 1
+    room = 0
+    for key in keys:
+        size = len(quote(key, safe="")) + 1
+        if size > budget:
+            raise ValueError(f"key of {len(key)} characters does not fit one query")
+        if not chunks or size > room:
+            chunks.append([])
+            room = budget
+        chunks[-1].append(key)
+        room -= size
+    return chunks
 
 
 def parse_batch_query(body: bytes | str, keys: Sequence[str]) -> list[KeyLocation]:

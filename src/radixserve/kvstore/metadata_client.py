@@ -18,7 +18,14 @@ from dataclasses import dataclass
 import httpx
 
 from radixserve.kvstore.gate import DownGate
-from radixserve.kvstore.metadata import KeyLocation, parse_batch_query, query_path
+from radixserve.kvstore.metadata import (
+    NOT_QUERIED,
+    KeyLocation,
+    parse_batch_query,
+    present_prefix,
+    query_chunks,
+    query_path,
+)
 
 log = logging.getLogger("radixserve.kvstore")
 
@@ -63,42 +70,63 @@ class MooncakeMetadataClient:
         return self.gate.up
 
     def query(self, keys: Sequence[str]) -> list[KeyLocation] | None:
-        path = query_path(keys)  # a key that cannot be asked for is the caller's error
+        chunks = query_chunks(keys)  # a key that cannot be asked for is the caller's error
         if not self.gate.allow():
             self.stats.fallbacks += 1
             return None
         self._sync = self._sync or httpx.Client(base_url=self.base, timeout=self._timeout)
-        t0, error = time.perf_counter(), None
-        for attempt in range(self.config.retry_times + 1):
-            try:
-                return self._answered(parse_batch_query(self._get(path), keys), t0)
-            except (httpx.HTTPError, ValueError) as exc:
-                error = exc
-                self.stats.failures += 1
-            if attempt < self.config.retry_times:
-                time.sleep(self.config.retry_interval_ms / 1000)
-        return self._failed(error)
+        t0, out = time.perf_counter(), []
+        for chunk in chunks:
+            locs, error = None, None
+            for attempt in range(self.config.retry_times + 1):
+                try:
+                    locs = parse_batch_query(_body(self._sync.get(query_path(chunk))), chunk)
+                    break
+                except (httpx.HTTPError, ValueError) as exc:
+                    error = exc
+                    self.stats.failures += 1
+                if attempt < self.config.retry_times:
+                    time.sleep(self.config.retry_interval_ms / 1000)
+            if locs is None:
+                return self._failed(error)
+            if self._extend(out, locs, len(keys)):
+                break
+        return self._answered(out, t0)
 
     async def aquery(self, keys: Sequence[str]) -> list[KeyLocation] | None:
-        path = query_path(keys)
+        chunks = query_chunks(keys)
         if not self.gate.allow():
             self.stats.fallbacks += 1
             return None
         self._async = self._async or httpx.AsyncClient(base_url=self.base, timeout=self._timeout)
-        t0, error = time.perf_counter(), None
-        for attempt in range(self.config.retry_times + 1):
-            try:
-                resp = await self._async.get(path)
-                return self._answered(parse_batch_query(_body(resp), keys), t0)
-            except (httpx.HTTPError, ValueError) as exc:
-                error = exc
-                self.stats.failures += 1
-            if attempt < self.config.retry_times:
-                await asyncio.sleep(self.config.retry_interval_ms / 1000)
-        return self._failed(error)
+        t0, out = time.perf_counter(), []
+        for chunk in chunks:
+            locs, error = None, None
+            for attempt in range(self.config.retry_times + 1):
+                try:
+                    resp = await self._async.get(query_path(chunk))
+                    locs = parse_batch_query(_body(resp), chunk)
+                    break
+                except (httpx.HTTPError, ValueError) as exc:
+                    error = exc
+                    self.stats.failures += 1
+                if attempt < self.config.retry_times:
+                    await asyncio.sleep(self.config.retry_interval_ms / 1000)
+            if locs is None:
+                return self._failed(error)
+            if self._extend(out, locs, len(keys)):
+                break
+        return self._answered(out, t0)
 
-    def _get(self, path: str) -> bytes:
-        return _body(self._sync.get(path))
+    @staticmethod
+    def _extend(out: list[KeyLocation], locs: list[KeyLocation], total: int) -> bool:
+        """Append one chunk's answer; True (and the rest as NOT_QUERIED) when a key in it is
+        held nowhere: no holder's contiguous prefix can reach past it."""
+        out.extend(locs)
+        if present_prefix(locs) == len(locs) or len(out) == total:
+            return False
+        out.extend(KeyLocation(False, (), NOT_QUERIED) for _ in range(total - len(out)))
+        return True
 
     def _answered(self, locations: list[KeyLocation], t0: float) -> list[KeyLocation]:
         self.stats.queries += 1
