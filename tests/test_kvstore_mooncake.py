@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -138,6 +140,24 @@ def test_master_restart_marks_down_without_exceptions_and_comes_back(cluster, ca
     downs = [r for r in caplog.records if "is down" in r.getMessage()]
     assert len(downs) == 1  # one outage, one line
     assert any("is back" in r.getMessage() for r in caplog.records)
+    b.close()
+
+
+def test_hung_master_costs_the_rpc_timeout_then_is_gated(cluster):
+    b = backend(cluster, down_duration_s=1.0, rpc_timeout_ms=1000)
+    keys = page_keys(list(range(8000, 8016)))
+    assert b.put_pages(keys, [page(1)]) == 1
+    os.kill(cluster.master.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        assert b.exists_prefix(keys) == 0 and not b.available  # -901 after the RPC timeout
+        assert b.get_pages(keys, [bytearray(PAGE)]) == 0  # gated: no second wait
+        assert time.monotonic() - t0 < 5.0
+    finally:
+        os.kill(cluster.master.pid, signal.SIGCONT)
+    time.sleep(1.1)
+    buf = [bytearray(PAGE)]
+    assert b.get_pages(keys, buf) == 1 and buf[0] == page(1) and b.available
     b.close()
 
 

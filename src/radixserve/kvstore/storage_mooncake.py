@@ -8,6 +8,8 @@ living in the segment of a store process (`radixserve kv-store`) that outlives e
 # - put of an existing key returns 0 and keeps the old value: write-once for free.
 # - A missing key is -704 from get_into (b'' from get); a holder that died leaves its keys listed
 #   until client_ttl and reads fail (-800): both are a miss, the page is recomputed.
+# - With the master hung (SIGSTOP) a call waits MC_RPC_TIMEOUT_MS (set from rpc_timeout_ms, read
+#   at setup) and returns -901.
 # - With the master down every call returns -900 after ~4.3 s of reconnecting, and setup() takes
 #   ~90 s to give up: so a failure marks the service down (DownGate) and no call is made until
 #   the down duration has passed; before a (re)connect the master's RPC port is probed with a
@@ -45,6 +47,7 @@ DEFAULTS = {
     "te_port_range": None,  # "LOW-HIGH" -> MC_MIN_RPC_PORT / MC_MAX_RPC_PORT (below 32768)
     "client_port_range": None,  # "LOW-HIGH" -> MC_STORE_CLIENT_MIN_PORT / MAX_PORT
     "down_duration_s": 30.0,
+    "rpc_timeout_ms": 2000,  # MC_RPC_TIMEOUT_MS: a hung master costs this, not Mooncake's 30 s
     "batch_pages": 64,
 }
 
@@ -111,7 +114,9 @@ class MooncakeBackend(StorageBackend):
         master = self.opts["master_server_address"]
         if not _master_listens(master):
             return self._down(f"master {master} does not answer", at_start=self._store is None)
+        # read at setup(): a failed setup retries twice, not 20 times; RPCs give up in time
         os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "2")
+        os.environ["MC_RPC_TIMEOUT_MS"] = str(int(self.opts["rpc_timeout_ms"]))
         store = self._store_cls()
         o = self.opts
         rc = store.setup(o["local_hostname"], o["metadata_server"], int(o["global_segment_size"]),
