@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 from mooncake_harness import backend_ports, pin_this_process, require_mooncake
+from radixserve.kvstore.mooncake_procs import segments
 from radixserve.kvstore.storage import PageFormat, create_backend
 
 
@@ -42,6 +43,20 @@ def test_kv_store_serves_pages_and_stops_clean(tmp_path):
         children = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)],
                     capture_output=True, text=True).stdout.split()]  # fmt: skip
         assert len(children) == 2
+        # a second store process joins the same master: the pool grows by its segment
+        second = subprocess.Popen([sys.executable, "-m", "radixserve", "kv-store",
+                                   "--master-address", ready["master"],
+                                   "--master-metrics-address", ready["metrics"],
+                                   "--segment-size", "32MB", "--log-dir", str(tmp_path / "2")],
+                                  stdout=subprocess.PIPE, text=True)  # fmt: skip
+        try:
+            joined = json.loads(second.stdout.readline())
+            assert joined["transport_endpoint"] != ready["transport_endpoint"]
+            sizes = {s["segment_name"]: s["size_bytes"] for s in segments(ready["metrics"])}
+            assert sizes == {ready["segment"]: 64 << 20, joined["segment"]: 32 << 20}
+        finally:
+            second.send_signal(signal.SIGTERM)
+            assert second.wait(30) == 0
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0

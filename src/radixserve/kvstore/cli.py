@@ -43,6 +43,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description=__doc__)  # fmt: skip
     g = p.add_argument_group("master")
     g.add_argument("--master-address", help="HOST:PORT of a running mooncake_master's RPC")
+    g.add_argument(
+        "--master-metrics-address",
+        help="HOST:PORT of that master's metrics/admin HTTP (to confirm the mount)",
+    )
     g.add_argument("--start-master", action="store_true", help="start a mooncake_master too")
     g.add_argument("--master-port", type=int, default=0, help="its RPC port (0: a free one)")
     g.add_argument(
@@ -118,7 +122,10 @@ def _start_master(args, log_dir: Path):
         host, _, port = args.master_address.rpartition(":")
         if not host or not port.isdigit():
             raise RuntimeError(f"--master-address {args.master_address!r} is not HOST:PORT")
-        return None, args.master_address, None
+        metrics = args.master_metrics_address
+        if metrics is not None and not re.fullmatch(r"[^:\s]+:\d+", metrics):
+            raise RuntimeError(f"--master-metrics-address {metrics!r} is not HOST:PORT")
+        return None, args.master_address, metrics
     ports = mp.MasterPorts(args.master_port or mp.free_port(),
                            args.master_metrics_port or mp.free_port(), mp.free_port())  # fmt: skip
     proc = mp.spawn(mp.master_command(ports, args.client_ttl), None, log_dir / "master.log")
@@ -140,7 +147,7 @@ def _start_store(args, log_dir: Path, master_rpc: str, metrics: str | None):
     ready = {"ready": True, "master": master_rpc, "metrics": metrics, "segment": segment,
              "segment_bytes": args.segment_size, "te_port_range": f"{te[0]}-{te[1]}",
              "pid": proc.pid, "logs": str(log_dir)}  # fmt: skip
-    if metrics is None:  # an outside master: no admin address known, wait for the log line
+    if metrics is None:  # an outside master, its admin address not given: the log line says it
         mp.wait_until(lambda: "Starting real client service" in _read(log_dir / "store.log"),
                       "mooncake_client", proc, mp.READY_TIMEOUT_S)  # fmt: skip
         return proc, ready
