@@ -31,9 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from _machine import machine_line
 from mooncake_harness import MooncakeCluster, backend_ports, pin_this_process
 from radixserve.cache.hashing import block_hashes
-from radixserve.kvstore.metadata import present_prefix
-from radixserve.kvstore.metadata_client import KvsMetadataConfig, MooncakeMetadataClient
-from radixserve.kvstore.storage import PageFormat, create_backend
+from radixserve.kvstore.backends import create_backend
+from radixserve.kvstore.storage import PageFormat
+from radixserve.router.kvindex.mooncake_client import KvsMetadataConfig, MooncakeMetadataClient
+from radixserve.router.kvindex.mooncake_meta import present_prefix
 
 # SmolLM2-135M's KV for one 16-token page: 30 layers x (K, V) x 3 KV heads x 64 dims x 2 bytes
 SMOLLM2_PAGE = 30 * 2 * 3 * 64 * 16 * 2

@@ -10,8 +10,9 @@ import subprocess
 import sys
 
 from mooncake_harness import backend_ports, pin_this_process, require_mooncake
+from radixserve.kvstore.backends import create_backend
 from radixserve.kvstore.mooncake_procs import segments
-from radixserve.kvstore.storage import PageFormat, create_backend
+from radixserve.kvstore.storage import PageFormat
 
 
 def _alive(pid: int) -> bool:

@@ -14,7 +14,10 @@ import pytest
 
 from mooncake_harness import MooncakeCluster, backend_ports, pin_this_process
 from radixserve.cache.hashing import block_hashes
-from radixserve.kvstore.metadata import (
+from radixserve.kvstore.backends import create_backend
+from radixserve.kvstore.storage import PageFormat
+from radixserve.router.kvindex.mooncake_client import KvsMetadataConfig, MooncakeMetadataClient
+from radixserve.router.kvindex.mooncake_meta import (
     NOT_QUERIED,
     SHARED,
     KeyLocation,
@@ -27,8 +30,6 @@ from radixserve.kvstore.metadata import (
     query_chunks,
     query_path,
 )
-from radixserve.kvstore.metadata_client import KvsMetadataConfig, MooncakeMetadataClient
-from radixserve.kvstore.storage import PageFormat, create_backend
 
 FIXTURE = json.loads(
     (Path(__file__).parent / "fixtures/mooncake_batch_query_keys.json").read_text()

@@ -17,9 +17,10 @@ import pytest
 
 from mooncake_harness import MooncakeCluster, backend_ports, pin_this_process
 from radixserve.cache.hashing import block_hashes
-from radixserve.kvstore.metadata import parse_batch_query, prefix_by_holder, query_path
+from radixserve.kvstore.backends import create_backend
 from radixserve.kvstore.mooncake_procs import admin_get
-from radixserve.kvstore.storage import PageFormat, create_backend
+from radixserve.kvstore.storage import PageFormat
+from radixserve.router.kvindex.mooncake_meta import parse_batch_query, prefix_by_holder, query_path
 
 NS = "rkv1-smollm2-135m-bf16-p16"  # a KVNamespace digest stand-in
 PAGE = 64 << 10
@@ -51,7 +52,8 @@ def page(i: int) -> bytes:
 
 WRITER = textwrap.dedent("""
     import json, sys
-    from radixserve.kvstore.storage import PageFormat, create_backend
+    from radixserve.kvstore.backends import create_backend
+from radixserve.kvstore.storage import PageFormat
     cfg, ns, size, keys = json.loads(sys.argv[1])
     b = create_backend("mooncake", PageFormat(ns, size), cfg)
     print(b.put_pages(keys, [bytes([i % 251]) * size for i in range(len(keys))]), flush=True)

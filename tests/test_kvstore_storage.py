@@ -9,8 +9,9 @@ import shutil
 import pytest
 
 from radixserve.cache.hashing import block_hashes
+from radixserve.kvstore.backends import create_backend
 from radixserve.kvstore.gate import DownGate
-from radixserve.kvstore.storage import HEADER, PageFormat, create_backend
+from radixserve.kvstore.storage import HEADER, PageFormat
 
 NS = "rkv1-smollm2-135m-bf16-p16"  # a KVNamespace digest stand-in: any non-empty string
 FMT = PageFormat(NS, 4096)

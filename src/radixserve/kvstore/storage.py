@@ -157,17 +157,6 @@ class StorageBackend(ABC):
         return True
 
 
-def create_backend(name: str, fmt: PageFormat, extra_config: dict | None = None) -> StorageBackend:
-    """The backend called ``name`` (`--hicache-storage-backend`), configured from the JSON of
-    `--hicache-storage-backend-extra-config`; an unknown name or key is a ValueError."""
-    from radixserve.kvstore import storage_file, storage_mooncake
-
-    backends = {"file": storage_file.FileBackend, "mooncake": storage_mooncake.MooncakeBackend}
-    if name not in backends:
-        raise ValueError(f"unknown storage backend {name!r}; choose from {sorted(backends)}")
-    return backends[name].from_config(fmt, dict(extra_config or {}))
-
-
 def take_options(extra: dict, allowed: dict[str, Any], backend: str) -> dict[str, Any]:
     """``allowed`` (name -> default) overridden by ``extra``; an unknown key is refused."""
     unknown = sorted(set(extra) - set(allowed))

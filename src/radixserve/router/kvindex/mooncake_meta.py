@@ -1,4 +1,5 @@
-"""PURE: Mooncake master's answer to `GET /batch_query_keys?keys=a,b,...` (its metrics/admin
+"""PURE: the store keys a router computes for a prompt (the engines' `page_keys`, from token ids
+and the namespace digest the engines report), and Mooncake master's answer to `GET /batch_query_keys?keys=a,b,...` (its metrics/admin
 port) turned into where each chained page key lives, and each holder's longest prefix hit."""
 
 # The answer (master 0.3.13, captured in tests/fixtures/mooncake_batch_query_keys.json):
@@ -25,6 +26,8 @@ from collections.abc import Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from urllib.parse import quote
 
+from radixserve.cache.hashing import block_hashes
+
 SHARED = ""  # endpoint of a replica any client can read (a shared-file disk replica)
 _MEDIA = (("values", "memory", "transport_endpoint_"), ("nof_values", "nof", "transport_endpoint_"),
           ("local_disk_values", "local_disk", "transport_endpoint"), ("disk_values", "disk", None))  # fmt: skip
@@ -50,6 +53,22 @@ class KeyLocation:
 
 MAX_PATH_BYTES = 16_384  # one request's path; HTTP clients refuse URLs over 64 KiB (httpx)
 NOT_QUERIED = "NOT_QUERIED"  # error of keys after a chunk whose prefix ended: none can extend it
+
+
+def store_keys(
+    token_ids: Sequence[int],
+    digest: str,
+    chunk_size: int,
+    algorithm: str = "sha256_cbor",
+    seed: int = 0,
+    cache_namespace: str | None = None,
+    partial: bool = False,
+) -> list[str]:
+    """The keys engines store a prompt's chunks under (cache.hashing.page_keys) from the
+    namespace digest they report alone (a router has no KVNamespace of its own); with
+    ``partial`` (Llumnix's --kvs-enable-save-unfull-chunk) the trailing partial chunk's too."""
+    hashes = block_hashes(token_ids, chunk_size, algorithm, seed, cache_namespace, partial)
+    return [f"{digest}_{h:016x}" if isinstance(h, int) else f"{digest}_{h}" for h in hashes]
 
 
 def query_path(keys: Sequence[str]) -> str:

@@ -1,4 +1,4 @@
-"""I/O: asking Mooncake's master where chained page keys live (`/batch_query_keys` on its
+"""I/O: the router asking Mooncake's master where chained page keys live (`/batch_query_keys` on its
 metrics port), with Llumnix's retry and down-gating; the answer is parsed by `metadata`."""
 
 # Llumnix's flags and meanings: a query that fails (refused, timed out, not the documented shape)
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import httpx
 
-from radixserve.kvstore.gate import DownGate
-from radixserve.kvstore.metadata import (
+from radixserve.router.kvindex.gate import KvsGate
+from radixserve.router.kvindex.mooncake_meta import (
     NOT_QUERIED,
     KeyLocation,
     parse_batch_query,
@@ -27,7 +27,7 @@ from radixserve.kvstore.metadata import (
     query_path,
 )
 
-log = logging.getLogger("radixserve.kvstore")
+log = logging.getLogger("radixserve.router")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +58,9 @@ class MooncakeMetadataClient:
 
     def __init__(self, config: KvsMetadataConfig, clock: Callable[[], float] = time.monotonic):
         self.config = config
-        self.gate = DownGate(config.down_duration_s, clock)
+        self.clock = clock
+        self.gate = KvsGate(config.down_duration_s)
+        self._down = False  # an outage logged, not yet over
         self.stats = MetadataStats()
         self.base = f"http://{config.address}"
         self._timeout = config.timeout_ms / 1000
@@ -67,11 +69,12 @@ class MooncakeMetadataClient:
 
     @property
     def up(self) -> bool:
-        return self.gate.up
+        """False from a failed query until one is answered again."""
+        return not self._down
 
     def query(self, keys: Sequence[str]) -> list[KeyLocation] | None:
         chunks = query_chunks(keys)  # a key that cannot be asked for is the caller's error
-        if not self.gate.allow():
+        if not self.gate.up(self.clock()):
             self.stats.fallbacks += 1
             return None
         self._sync = self._sync or httpx.Client(base_url=self.base, timeout=self._timeout)
@@ -95,7 +98,7 @@ class MooncakeMetadataClient:
 
     async def aquery(self, keys: Sequence[str]) -> list[KeyLocation] | None:
         chunks = query_chunks(keys)
-        if not self.gate.allow():
+        if not self.gate.up(self.clock()):
             self.stats.fallbacks += 1
             return None
         self._async = self._async or httpx.AsyncClient(base_url=self.base, timeout=self._timeout)
@@ -131,13 +134,17 @@ class MooncakeMetadataClient:
     def _answered(self, locations: list[KeyLocation], t0: float) -> list[KeyLocation]:
         self.stats.queries += 1
         self.stats.seconds += time.perf_counter() - t0
-        if self.gate.succeeded():
+        self.gate.mark_up()
+        if self._down:
+            self._down = False
             log.info("KV metadata service %s is back", self.config.address)
         return locations
 
     def _failed(self, error: Exception | None) -> None:
         self.stats.fallbacks += 1
-        if self.gate.failed(repr(error)):
+        self.gate.mark_down(self.clock())
+        if not self._down:
+            self._down = True
             log.warning("KV metadata service %s down (%r); routing without it for %.0f s",
                         self.config.address, error, self.config.down_duration_s)  # fmt: skip
         return None
