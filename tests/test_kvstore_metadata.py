@@ -187,7 +187,7 @@ def test_long_prompts_are_asked_in_bounded_requests(cluster):
 
 
 def test_client_retries_then_gates_then_comes_back(cluster, stored, caplog):
-    caplog.set_level(logging.INFO, "radixserve.kvstore")
+    caplog.set_level(logging.INFO, "radixserve.router")
     cfg = KvsMetadataConfig(cluster.metrics_addr, retry_times=5, retry_interval_ms=100,
                             down_duration_s=1.0)  # fmt: skip
     client = MooncakeMetadataClient(cfg)

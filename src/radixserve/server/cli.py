@@ -4,6 +4,7 @@ engine, then serves HTTP on it until SIGINT or SIGTERM (uvloop when installed)."
 from __future__ import annotations
 
 import argparse
+import json
 import asyncio
 import logging
 import signal
@@ -48,6 +49,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "\"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"\", \"block_size\": 16}' "
         "(vLLM's and SGLang's keys, plus block_size, hash_algo, hash_seed)",
     )  # fmt: skip
+    parser.add_argument_group("kv store").add_argument(
+        "--sim-kv-store", default=None, metavar="JSON",
+        help="with --sim: write each prefilled prompt's pages to a KV store as small placeholder "
+        "objects under the real keys (routers find them through the store's metadata), e.g. "
+        "'{\"backend\": \"mooncake\", \"master_server_address\": \"127.0.0.1:P\", "
+        "\"te_port_range\": \"20000-20063\", \"client_port_range\": \"20100-20115\", "
+        "\"chunk_size\": 256, \"hash_algo\": \"sha256_cbor\", \"seed\": 0}'",
+    )  # fmt: skip
     parser.set_defaults(run=run)
     return parser
 
@@ -65,7 +74,9 @@ def run(args: argparse.Namespace) -> int:
                                      from_args(SchedulerConfig, args), sim=server.sim,
                                      sim_vocab_size=server.sim_vocab_size,
                                      kv_events=None if events is None
-                                     else KVEventsConfig.from_json(events))  # fmt: skip
+                                     else KVEventsConfig.from_json(events),
+                                     sim_kv_store=None if args.sim_kv_store is None
+                                     else _json_object(args.sim_kv_store))  # fmt: skip
     except ValueError as e:
         print(f"radixserve serve: {e}", file=sys.stderr)
         return 2
@@ -177,3 +188,13 @@ async def _end_requests_at_exit(
     done, _ = await asyncio.wait({task}, timeout=grace)
     if not done and (n := state.fail_all("the server is shutting down")):
         log.warning("ended %d running request(s): the server is shutting down", n)
+
+
+def _json_object(text: str) -> dict:
+    try:
+        obj = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"--sim-kv-store is not JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise ValueError("--sim-kv-store must be a JSON object")
+    return obj

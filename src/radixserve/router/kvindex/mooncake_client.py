@@ -137,7 +137,7 @@ class MooncakeMetadataClient:
         self.gate.mark_up()
         if self._down:
             self._down = False
-            log.info("KV metadata service %s is back", self.config.address)
+            log.warning("KV metadata service %s is back", self.config.address)
         return locations
 
     def _failed(self, error: Exception | None) -> None:
