@@ -4,8 +4,8 @@ engine, then serves HTTP on it until SIGINT or SIGTERM (uvloop when installed)."
 from __future__ import annotations
 
 import argparse
-import json
 import asyncio
+import json
 import logging
 import signal
 import socket

@@ -171,6 +171,9 @@ class KvRouting:
         families.append(
             ("kv_expected_hit_tokens_total", "counter", {"": self.policy.matched_tokens})
         )
+        # of the rest, those the chosen worker was expected to load (host tier, KV store)
+        loaded = getattr(self.policy, "loaded_tokens", 0)
+        families.append(("kv_expected_loaded_tokens_total", "counter", {"": loaded}))
         return families
 
 
