@@ -53,7 +53,7 @@ def page(i: int) -> bytes:
 WRITER = textwrap.dedent("""
     import json, sys
     from radixserve.kvstore.backends import create_backend
-from radixserve.kvstore.storage import PageFormat
+    from radixserve.kvstore.storage import PageFormat
     cfg, ns, size, keys = json.loads(sys.argv[1])
     b = create_backend("mooncake", PageFormat(ns, size), cfg)
     print(b.put_pages(keys, [bytes([i % 251]) * size for i in range(len(keys))]), flush=True)
