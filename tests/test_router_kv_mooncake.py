@@ -121,3 +121,44 @@ def test_store_holdings_route_and_survive_their_writer(cluster, procs):
     time.sleep(1.1)
     delta, _ = routed(router, PREFIX + [22] * 20)
     assert delta["kvs_lookups_total"] == 1 and metrics(router)["kvs_up"] == 1
+
+
+# ----- the simulated workers' store writes, without Mooncake -------------------------------------
+
+
+def test_sim_writer_stores_whole_chunks_under_page_keys(tmp_path):
+    from radixserve.cache.hashing import page_keys
+    from radixserve.engine.sim_store import SimStoreWriter
+    from radixserve.kvstore.backends import create_backend
+    from radixserve.kvstore.storage import PageFormat
+
+    writer = SimStoreWriter({"backend": "file", "path": str(tmp_path), "chunk_size": 32},
+                            "tiny-cpu", 16)  # fmt: skip
+    ids = list(range(7, 7 + 100))  # 3 whole chunks of 32, and 4 tokens more
+    writer.submit(ids)
+    writer.submit(ids[:20])  # shorter than a chunk: nothing to write
+    writer.close()
+    keys = page_keys(ids, writer.namespace, 32)
+    assert len(keys) == 3 and writer.pages_written == 3 and writer.failed == 0
+    reader = create_backend("file", PageFormat(writer.digest, 64), {"path": str(tmp_path)})
+    assert reader.exists_prefix(keys) == 3
+    assert writer.info()["namespace"] == writer.digest and writer.info()["segment"] is None
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--sim-kv-store", "{}"], "needs --sim"),
+        (["--sim", "tiny-cpu", "--sim-kv-store", "[1]"], "JSON object"),
+        (["--sim", "tiny-cpu", "--sim-kv-store", '{"backend": "nfs"}'], "mooncake or file"),
+        (["--sim", "tiny-cpu", "--sim-kv-store", '{"chunk_size": 0}'], "chunk_size"),
+    ],
+)
+def test_bad_sim_kv_store_is_one_line(flags, message):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "radixserve", "serve", "--port", "0", *flags],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 2 and message in out.stderr
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1

@@ -93,7 +93,7 @@ def test_a_source_that_cannot_answer_counts_for_no_worker():
     hold(policy, "w1", PROMPT)
     workers = [WorkerView("w0"), WorkerView("w1")]
     assert policy.select(workers, view(PROMPT), 0.0) == 1
-    assert policy.loadable_tokens(workers, [0, 1], len(PROMPT)) == {}
+    assert policy.loadable_tokens(workers, [0, 1], view(PROMPT), len(PROMPT)) == {}
 
 
 # ----- the store's keys, as the engines write them ------------------------------------------------

@@ -73,6 +73,7 @@ class SimStoreWriter:
         self.placeholder = bytes(cfg["placeholder_bytes"])
         self.queue: queue.Queue[tuple[int, ...] | None] = queue.Queue(cfg["queue"])
         self.written: set[str] = set()  # keys this process stored (or found stored)
+        self._outages = 0  # the backend's outages seen: a master restart forgets every key
         self.pages_written = self.dropped = self.failed = 0
         self.thread = threading.Thread(target=self._run, name="sim-kv-store", daemon=True)
         self.thread.start()
@@ -111,6 +112,10 @@ class SimStoreWriter:
 
     def _write(self, ids: tuple[int, ...]) -> None:
         cfg = self.cfg
+        outages = getattr(getattr(self.backend, "gate", None), "outages", 0)
+        if outages != self._outages:  # the store was down: what it held may be gone
+            self._outages = outages
+            self.written.clear()
         keys = page_keys(ids, self.namespace, cfg["chunk_size"], cfg["hash_algo"], cfg["seed"])
         new = [k for k in keys if k not in self.written]
         if not new:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from radixserve.router.kvindex.mooncake_client import KvsMetadataConfig, MooncakeMetadataClient
 from radixserve.router.kvindex.mooncake_meta import loadable_prefix, store_keys
-from radixserve.router.kvindex.tiers import TierSource
+from radixserve.router.kvindex.tiers import KeysFor, TierSource
 
 log = logging.getLogger("radixserve.router")
 
@@ -134,7 +134,9 @@ class MooncakeStoreReader(TierSource):
                     answer[wid] = min(n * cfg.chunk_size, len(token_ids))
         self.answer = answer
 
-    def loadable_tokens(self, workers: Iterable[Hashable]) -> dict[Hashable, int] | None:
+    def loadable_tokens(
+        self, workers: Iterable[Hashable], keys_for: KeysFor | None = None
+    ) -> dict[Hashable, int] | None:
         if self.answer is None:
             return None
         return {w: self.answer[w] for w in workers if w in self.answer}

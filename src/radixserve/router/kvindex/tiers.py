@@ -9,7 +9,9 @@ from a KV store every worker reads, such as Mooncake Store through its master's 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+
+KeysFor = Callable[[int], Sequence[int]]  # block size -> the request's block keys (block_index)
 
 
 class TierSource(ABC):
@@ -18,9 +20,14 @@ class TierSource(ABC):
     name: str = "lower"
 
     @abstractmethod
-    def loadable_tokens(self, workers: Iterable[Hashable]) -> dict[Hashable, int] | None:
+    def loadable_tokens(
+        self, workers: Iterable[Hashable], keys_for: KeysFor
+    ) -> dict[Hashable, int] | None:
         """For each worker among ``workers`` that can load some of the prompt, how many leading
-        tokens; None when the source cannot answer."""
+        tokens; None when the source cannot answer. ``keys_for`` gives the request's router
+        block keys at a block size, for a source that indexes blocks from KV events (a host
+        tier announced with vLLM's ``medium``); a source that looked the request up itself
+        (the KV store's metadata) ignores it."""
 
 
 class FixedTier(TierSource):
@@ -29,7 +36,9 @@ class FixedTier(TierSource):
     def __init__(self, tokens: Mapping[Hashable, int] | None = None, name: str = "fixed") -> None:
         self.tokens, self.name = tokens, name
 
-    def loadable_tokens(self, workers: Iterable[Hashable]) -> dict[Hashable, int] | None:
+    def loadable_tokens(
+        self, workers: Iterable[Hashable], keys_for: KeysFor | None = None
+    ) -> dict[Hashable, int] | None:
         if self.tokens is None:
             return None
         return {w: self.tokens[w] for w in workers if self.tokens.get(w)}

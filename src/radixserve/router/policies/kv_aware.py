@@ -182,7 +182,7 @@ class KvAwarePolicy(RouterPolicy):
             return min(eligible, key=lambda i: (workers[i].load, self.pending(workers[i])))
         cached = self._cached(workers, healthy, request, size)
         self._matches = (request, cached)
-        loadable = self.loadable_tokens(workers, healthy, size)
+        loadable = self.loadable_tokens(workers, healthy, request, size)
         self._loadable = (request, loadable)
         # Workers holding KEEP_SHARE of the prompt stay eligible over the load gates and are
         # never spilled from: the request adds the last few percent of its prefill there, the
@@ -305,14 +305,17 @@ class KvAwarePolicy(RouterPolicy):
         self._removals.pop(worker_id, None)
 
     def loadable_tokens(
-        self, workers: Sequence[WorkerView], among: Sequence[int], size: int
+        self, workers: Sequence[WorkerView], among: Sequence[int], request: RequestView, size: int
     ) -> dict[Hashable, int]:
         """Leading prompt tokens each worker can load from a lower tier (the most any source
         says; sources that cannot answer say nothing), at most the prompt."""
         ids = [workers[i].id for i in among]
         out: dict[Hashable, int] = {}
+        if not self.lower or not request.token_ids:
+            return out
+        keys_for = self._keys_for(request)
         for source in self.lower:
-            answer = source.loadable_tokens(ids)
+            answer = source.loadable_tokens(ids, keys_for)
             for w, n in (answer or {}).items():
                 out[w] = min(max(out.get(w, 0), n), size)
         return out
