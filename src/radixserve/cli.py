@@ -16,6 +16,7 @@ SUBCOMMANDS: dict[str, str] = {
     "serve": "radixserve.server.cli",
     "route": "radixserve.router.proxy.cli",
     "kv-indexer": "radixserve.router.indexer.cli",
+    "kv-store": "radixserve.kvstore.cli",
     "sim": "radixserve.sim.cli",
     "bench": "radixserve.bench.cli",
     "playground": "radixserve.playground.cli",

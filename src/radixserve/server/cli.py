@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import signal
 import socket
@@ -49,6 +50,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "\"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"\", \"block_size\": 16}' "
         "(vLLM's and SGLang's keys, plus block_size, hash_algo, hash_seed)",
     )  # fmt: skip
+    parser.add_argument_group("kv store").add_argument(
+        "--sim-kv-store", default=None, metavar="JSON",
+        help="with --sim: write each prefilled prompt's pages to a KV store as small placeholder "
+        "objects under the real keys (routers find them through the store's metadata), e.g. "
+        "'{\"backend\": \"mooncake\", \"master_server_address\": \"127.0.0.1:P\", "
+        "\"te_port_range\": \"20000-20063\", \"client_port_range\": \"20100-20115\", "
+        "\"chunk_size\": 256, \"hash_algo\": \"sha256_cbor\", \"seed\": 0}'",
+    )  # fmt: skip
     add_check(parser, configs)  # every setting is checked before any process starts
     parser.set_defaults(run=run)
     return parser
@@ -66,7 +75,9 @@ def configs(args: argparse.Namespace) -> tuple[ServerConfig, Any]:
                                  from_args(SchedulerConfig, args), sim=server.sim,
                                  sim_vocab_size=server.sim_vocab_size,
                                  kv_events=None if events is None
-                                 else KVEventsConfig.from_json(events))  # fmt: skip
+                                 else KVEventsConfig.from_json(events),
+                                 sim_kv_store=None if args.sim_kv_store is None
+                                 else _json_object(args.sim_kv_store))  # fmt: skip
     check_config(engine_config.sched, engine_config.cache.page_size)
     return server, engine_config
 
@@ -187,3 +198,13 @@ async def _end_requests_at_exit(
     done, _ = await asyncio.wait({task}, timeout=grace)
     if not done and (n := state.fail_all("the server is shutting down")):
         log.warning("ended %d running request(s): the server is shutting down", n)
+
+
+def _json_object(text: str) -> dict:
+    try:
+        obj = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"--sim-kv-store is not JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise ValueError("--sim-kv-store must be a JSON object")
+    return obj

@@ -33,6 +33,7 @@ from radixserve.router.kvindex.block_index import (
     block_keys,
 )
 from radixserve.router.kvindex.event_format import Event
+from radixserve.router.kvindex.gate import KvsGate
 from radixserve.router.kvindex.redis_store import RedisIndexStore, WorkerEntry, key_blob
 
 log = logging.getLogger("radixserve.router")
@@ -49,24 +50,6 @@ class KvsConfig:
     down_duration_s: float = 30.0
     timeout_ms: float = 500.0
     prefix: str = "radixserve"
-
-
-class KvsGate:
-    """Up, or down until a time. Pure: the caller passes the clock."""
-
-    def __init__(self, down_duration_s: float) -> None:
-        self.down_duration_s = down_duration_s
-        self.down_until = -math.inf
-        self.times_down = 0
-
-    def up(self, now: float) -> bool:
-        return now >= self.down_until
-
-    def mark_down(self, now: float) -> None:
-        self.down_until, self.times_down = now + self.down_duration_s, self.times_down + 1
-
-    def mark_up(self) -> None:
-        self.down_until = -math.inf
 
 
 class RedisIndexReader(BlockIndex):

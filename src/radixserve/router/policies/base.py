@@ -23,7 +23,9 @@ class WorkerView:
     """What a policy may know of a worker: its id, in-flight requests, health, and the size
     of its in-flight prompts (``queued_tokens``, least_load's tie-break: key units in the
     router, which sees text, tokens in the simulator; only compared between workers), and the
-    prefill tokens it reported waiting (``prefill_tokens``, None: no report) at ``reported_at``."""
+    prefill tokens it reported waiting (``prefill_tokens``, None: no report) at ``reported_at``,
+    and the time it takes to load one token of KV from a lower tier (host memory, a KV store)
+    over the time it takes to prefill one (``kv_load_ratio``, None: not reported)."""
 
     id: Hashable
     load: int = 0
@@ -31,6 +33,7 @@ class WorkerView:
     queued_tokens: int = 0
     prefill_tokens: int | None = None
     reported_at: float = float("-inf")
+    kv_load_ratio: float | None = None
 
 
 @dataclass(slots=True, frozen=True)

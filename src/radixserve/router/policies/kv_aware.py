@@ -43,6 +43,19 @@ Registered as `--policy kv_aware`; pure (no I/O, no clock)."""
 # (benchmarks/kv_aware_headroom.py). It needs per-worker holdings, which the in-memory index
 # has; an index that reports none (Redis, as the router reads it) leaves the score to decide.
 #
+# Lower tiers (issue 28). Tokens a worker can load rather than compute (from its host tier, or
+# from a KV store every worker reads: Mooncake Store, as its master's metadata says; TierSource)
+# cost their load time in prefill tokens: loadable(w) - cached(w) tokens weigh the worker's
+# reported load-to-prefill ratio (WorkerView.kv_load_ratio: seconds to load a token over seconds
+# to prefill one, as the engine measures them). So the first term reads
+#
+#     (P - max(cached(w), loadable(w))) + ratio(w) * max(0, loadable(w) - cached(w))
+#
+# A worker that reports no ratio is charged DEFAULT_LOAD_RATIO (see there). Llumnix counts a
+# store hit as a hit (ratio 0); with a ratio the device holder still wins a tie, and a worker
+# that can load a prefix cheaply takes it over a busier one that holds it on device. While a
+# source cannot answer (its service down) it counts for no worker: the score is the device's.
+#
 # Both terms are tokens of prefill work. Llumnix adds them as they are (a hit worth exactly the
 # prefill it saves); here queued tokens weigh PENDING_WEIGHT (1/4), because a miss also copies
 # the prefix into a second pool, where it evicts what later requests would have hit. The
@@ -83,6 +96,7 @@ from radixserve.router.kvindex.block_index import (
     keys_by_size,
     leading_held,
 )
+from radixserve.router.kvindex.tiers import TierSource
 from radixserve.router.policies.base import RequestView, RouterPolicy, WorkerView, healthy_indices
 from radixserve.router.policies.config import CachePolicyConfig
 from radixserve.router.policies.shares import DispatchShares
@@ -119,6 +133,12 @@ cache_aware's (1.45 s against 1.30 s); spans of 0.5-2 prompts gave back 0.7-2.2 
 points it gained there."""
 INFLIGHT_BLOCK = 16
 """Block size for in-flight prompts on a worker whose events have not told one yet."""
+DEFAULT_LOAD_RATIO = 0.1
+"""Load-to-prefill ratio charged for a worker that reports none: issue 27's target for a store
+load (<= 0.1x the recompute time of a 2,000-token prefix). Not 0 (Llumnix's "a store hit is a
+hit"): then a worker holding the prefix on device and one that must fetch it would tie, and the
+fetch is never free; not larger: a guess above the target would send prefixes that are cheap to
+load back to recomputation."""
 
 
 class KvAwarePolicy(RouterPolicy):
@@ -133,13 +153,17 @@ class KvAwarePolicy(RouterPolicy):
         config: CachePolicyConfig | None = None,
         seed: int = 0,
         index: BlockIndex | None = None,
+        lower: Sequence[TierSource] = (),
     ) -> None:
         super().__init__(config, seed)
         self.index = index if index is not None else InMemoryIndex()
+        self.lower = tuple(lower)  # host tiers, KV stores: what workers can load, not compute
+        self.loaded_tokens = 0  # dispatched prompt tokens the pick was expected to load
         self.tree = MultiTenantTree(node_units=NODE_UNITS)  # the fallback's approximate view
         self._pending: dict[Hashable, dict[int, _Record]] = {}
         # the last request select() looked up: what each worker holds of it, its block keys
         self._matches: tuple[RequestView | None, dict[Hashable, int]] = (None, {})
+        self._loadable: tuple[RequestView | None, dict[Hashable, int]] = (None, {})
         self._keys: tuple[RequestView | None, KeysFor] = (None, keys_by_size(()))
         self._shares = DispatchShares()
         self._published: set[Hashable] = set()  # workers the index has ever known
@@ -158,6 +182,8 @@ class KvAwarePolicy(RouterPolicy):
             return min(eligible, key=lambda i: (workers[i].load, self.pending(workers[i])))
         cached = self._cached(workers, healthy, request, size)
         self._matches = (request, cached)
+        loadable = self.loadable_tokens(workers, healthy, request, size)
+        self._loadable = (request, loadable)
         # Workers holding KEEP_SHARE of the prompt stay eligible over the load gates and are
         # never spilled from: the request adds the last few percent of its prefill there, the
         # whole prompt elsewhere.
@@ -169,13 +195,10 @@ class KvAwarePolicy(RouterPolicy):
         if placed is not None:
             return placed
 
-        def score(i: int) -> tuple[int, int, float]:
+        def score(i: int) -> tuple[float, int, float]:
             w = workers[i]
-            return (
-                size - cached.get(w.id, 0) + PENDING_WEIGHT * self.pending(w),
-                w.load,
-                self.rng.random(),
-            )
+            work = prefill_work(size, cached.get(w.id, 0), loadable.get(w.id, 0), w.kv_load_ratio)
+            return (work + PENDING_WEIGHT * self.pending(w), w.load, self.rng.random())
 
         return self._spill(workers, eligible, min(eligible, key=score), keeps)
 
@@ -251,7 +274,10 @@ class KvAwarePolicy(RouterPolicy):
         if seen is not request:  # dispatched without select (a retry's fallback): look again
             cached = self._cached([WorkerView(worker_id)], [0], request, size)
         hit = min(cached.get(worker_id, 0), size)
-        self._pending.setdefault(worker_id, {})[id(request)] = (now, size - hit)
+        seen, loadable = self._loadable
+        loaded = max(0, min(loadable.get(worker_id, 0), size) - hit) if seen is request else 0
+        self._pending.setdefault(worker_id, {})[id(request)] = (now, size - hit - loaded)
+        self.loaded_tokens += loaded
         if request.token_ids is not None:
             bs = self.index.block_size(worker_id) or INFLIGHT_BLOCK
             self._flight.add(worker_id, id(request), bs, self._keys_for(request)(bs))
@@ -277,6 +303,22 @@ class KvAwarePolicy(RouterPolicy):
         self._flight.forget(worker_id)
         self._shares.forget(worker_id)
         self._removals.pop(worker_id, None)
+
+    def loadable_tokens(
+        self, workers: Sequence[WorkerView], among: Sequence[int], request: RequestView, size: int
+    ) -> dict[Hashable, int]:
+        """Leading prompt tokens each worker can load from a lower tier (the most any source
+        says; sources that cannot answer say nothing), at most the prompt."""
+        ids = [workers[i].id for i in among]
+        out: dict[Hashable, int] = {}
+        if not self.lower or not request.token_ids:
+            return out
+        keys_for = self._keys_for(request)
+        for source in self.lower:
+            answer = source.loadable_tokens(ids, keys_for)
+            for w, n in (answer or {}).items():
+                out[w] = min(max(out.get(w, 0), n), size)
+        return out
 
     def expected_hit_rate(self) -> float:
         """Share of dispatched prompt tokens the chosen worker held."""
@@ -389,6 +431,15 @@ class InFlightBlocks:
     def leading_held(self, worker: Hashable, keys: Sequence[int]) -> int:
         """Leading keys of `keys` some in-flight prompt on `worker` shares."""
         return leading_held(keys, self._counts.get(worker, {}))
+
+
+def prefill_work(size: int, cached: int, loadable: int, ratio: float | None) -> float:
+    """A worker's prefill work for a prompt of ``size`` tokens, in tokens: what it must compute,
+    plus what it loads from a lower tier weighed by its load-to-prefill ``ratio`` (None:
+    DEFAULT_LOAD_RATIO); device-cached tokens cost nothing."""
+    held = min(max(cached, loadable), size)
+    load = max(0, held - cached)
+    return size - held + (DEFAULT_LOAD_RATIO if ratio is None else ratio) * load
 
 
 def prompt_size(request: RequestView) -> int:

@@ -61,8 +61,10 @@ class Router(Endpoints):
         self.registry = WorkerRegistry(config.health, self.policy.on_worker_removed)
         # kv_aware: an index fed by the workers' KV events, prompts tokenized as they do
         has_index = self.policy.index is not None
-        subscribe = self.kvs is None  # on Redis, the kv-indexer follows the events
-        self.kv = KvRouting(self.policy, config.tokenizer, subscribe) if has_index else None
+        # on Redis the kv-indexer follows the events; on Mooncake the router does, as in memory
+        subscribe = self.kvs is None or self.policy.index is not self.kvs
+        store = self.kvs if self.kvs is not None and subscribe else None
+        self.kv = KvRouting(self.policy, config.tokenizer, subscribe, store) if has_index else None
         self.registry.poll_loads = has_index  # kv_aware reconciles pending prefill with them
         self.registry.auth = self._worker_auth()
         self._admitting: set[asyncio.Task[bool]] = set()

@@ -73,21 +73,44 @@ class RouterConfig:
     kv_index: str = _f(
         "memory",
         "kv_aware: where the precise prefix index lives: memory (the router subscribes to the "
-        "workers' KV events) or redis://host:port/db (shared; `radixserve kv-indexer` writes it)",
+        "workers' KV events), redis://host:port/db (shared; `radixserve kv-indexer` writes it), "
+        "or mooncake://HOST:PORT (Mooncake master's metrics port: the store's holdings, asked "
+        "per request, on top of the workers' KV events)",
+    )
+    kvs_backend: str | None = _f(
+        None,
+        "Llumnix's name for the KV metadata service's kind: mooncake or redis (must agree with "
+        "--kv-index's scheme)",
+        choices=("mooncake", "redis"),
+    )
+    kvs_hash_algo: str = _f(
+        "sha256_cbor",
+        "kv_aware on Mooncake: hash of the store's chunk keys, as the engines write them "
+        "(sha256_hex = sha256, xxhash = xxhash64); seed from the GO_HASH_SEED environment "
+        "variable (default 0)",
+        choices=("sha256_cbor", "sha256_hex", "sha256", "xxhash", "xxhash64"),
+    )
+    kvs_chunk_size: int = _f(256, "kv_aware on Mooncake: tokens per store key, as the engines'")
+    kvs_enable_save_unfull_chunk: bool = _f(
+        False, "kv_aware on Mooncake: the engines also store a prompt's trailing partial chunk"
     )
     kvs_retry_times: int = _f(
-        5, "kv_aware on Redis: retries of a failed lookup before the service is marked down"
+        5,
+        "kv_aware on Redis or Mooncake: retries of a failed lookup before the service is "
+        "marked down",
     )
-    kvs_retry_interval_ms: float = _f(100.0, "kv_aware on Redis: wait between lookup retries")
+    kvs_retry_interval_ms: float = _f(
+        100.0, "kv_aware on Redis or Mooncake: wait between lookup retries"
+    )
     kvs_metadata_service_down_duration_s: float = _f(
         30.0,
-        "kv_aware on Redis: seconds a down service is left alone (routing falls back to the "
-        "approximate tree) before it is tried again",
+        "kv_aware on Redis or Mooncake: seconds a down service is left alone (routing falls "
+        "back to the workers' events and the approximate tree) before it is tried again",
     )
     kvs_timeout_ms: float = _f(
         500.0,
-        "kv_aware on Redis: a lookup slower than this failed (keep it above the router's own "
-        "p99 latency: a saturated router reads replies late)",
+        "kv_aware on Redis or Mooncake: a lookup slower than this failed (keep it above the "
+        "router's own p99 latency: a saturated router reads replies late)",
     )
     redis_prefix: str = _f(
         "radixserve",
@@ -164,21 +187,39 @@ class RouterConfig:
         # argparse hands over a list; keep the frozen config hashable and immutable.
         object.__setattr__(self, "worker_urls", tuple(self.worker_urls))
 
+    def _only_for(self, names: tuple[str, ...], where: str) -> None:
+        defaults = {f.name: f.default for f in fields(self)}
+        set_ = [n for n in names if getattr(self, n) != defaults[n]]
+        if set_:
+            flags = ", ".join("--" + n.replace("_", "-") for n in set_)
+            raise ValueError(f"{flags}: for --kv-index {where} only")
+
     def _check_kv_index(self) -> None:
+        remote = ("kvs_retry_times", "kvs_retry_interval_ms", "kvs_timeout_ms",
+                  "kvs_metadata_service_down_duration_s")  # fmt: skip
+        mooncake = ("kvs_hash_algo", "kvs_chunk_size", "kvs_enable_save_unfull_chunk")
         if self.kv_index == "memory":
-            redis_only = ("kvs_retry_times", "kvs_retry_interval_ms", "kvs_timeout_ms",
-                          "kvs_metadata_service_down_duration_s", "redis_prefix")  # fmt: skip
-            defaults = {f.name: f.default for f in fields(self)}
-            set_ = [n for n in redis_only if getattr(self, n) != defaults[n]]
-            if set_:
-                flags = ", ".join("--" + n.replace("_", "-") for n in set_)
-                raise ValueError(f"{flags}: for --kv-index redis://... only")
+            self._only_for((*remote, "redis_prefix"), "redis://... or mooncake://...")
+            self._only_for(mooncake + ("kvs_backend",), "mooncake://...")
             return
-        if not self.kv_index.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"--kv-index must be memory or a redis:// URL, not {self.kv_index!r}")
+        if self.kv_index.startswith("mooncake://"):
+            self._check_mooncake()
+        elif not self.kv_index.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(
+                f"--kv-index must be memory, a redis:// URL or mooncake://HOST:PORT, "
+                f"not {self.kv_index!r}"
+            )
+        else:
+            self._only_for(mooncake, "mooncake://...")
+            if self.kvs_backend not in (None, "redis"):
+                raise ValueError(f"--kvs-backend {self.kvs_backend} disagrees with --kv-index "
+                                 f"{self.kv_index}")  # fmt: skip
         if self.policy != "kv_aware":
-            raise ValueError("--kv-index redis://... is read by --policy kv_aware only")
-        if importlib.util.find_spec("redis") is None:
+            raise ValueError(f"--kv-index {self.kv_index} is read by --policy kv_aware only")
+        if (
+            not self.kv_index.startswith("mooncake://")
+            and importlib.util.find_spec("redis") is None
+        ):
             raise ValueError(
                 "--kv-index redis://... needs redis-py: pip install 'radixserve[redis]'"
             )
@@ -186,3 +227,21 @@ class RouterConfig:
             raise ValueError("kvs_retry_times, kvs_retry_interval_ms >= 0; kvs_timeout_ms > 0")
         if self.kvs_metadata_service_down_duration_s < 0:
             raise ValueError("kvs_metadata_service_down_duration_s must be >= 0")
+
+    def _check_mooncake(self) -> None:
+        host, sep, port = self.kv_index.removeprefix("mooncake://").rstrip("/").rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"--kv-index {self.kv_index}: expected mooncake://HOST:PORT (the "
+                             "master's metrics port)")  # fmt: skip
+        if self.kvs_backend not in (None, "mooncake"):
+            raise ValueError(f"--kvs-backend {self.kvs_backend} disagrees with --kv-index "
+                             f"{self.kv_index}")  # fmt: skip
+        if self.redis_prefix != "radixserve":
+            raise ValueError("--redis-prefix: for --kv-index redis://... only")
+        if self.kvs_chunk_size < 1:
+            raise ValueError(f"--kvs-chunk-size must be >= 1, got {self.kvs_chunk_size}")
+
+    @property
+    def mooncake_address(self) -> str:
+        """HOST:PORT of --kv-index mooncake://HOST:PORT."""
+        return self.kv_index.removeprefix("mooncake://").rstrip("/")

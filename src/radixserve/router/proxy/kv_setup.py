@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -16,6 +17,7 @@ from radixserve.router.policies.kv_aware import KvAwarePolicy
 from radixserve.router.proxy.request_body import extract_prompt
 
 if TYPE_CHECKING:
+    from radixserve.router.kvindex.mooncake_reader import MooncakeStoreReader
     from radixserve.router.kvindex.redis_reader import RedisIndexReader
     from radixserve.router.proxy.config import RouterConfig
 
@@ -72,13 +74,18 @@ class KvRouting:
     """Tokenizer, fingerprint check and event subscribers of a kv_aware router."""
 
     def __init__(
-        self, policy: RouterPolicy, tokenizer_path: str | None = None, subscribe: bool = True
+        self,
+        policy: RouterPolicy,
+        tokenizer_path: str | None = None,
+        subscribe: bool = True,
+        store: MooncakeStoreReader | None = None,
     ) -> None:
         if policy.index is None:
             raise ValueError(f"policy {policy.name} keeps no KV index")
         self.policy = policy  # kv_aware: its index, and what it expected to hit
         self.plane = EventPlane(policy.index)
         self.subscribe = subscribe  # False: another process feeds the index (kv-indexer)
+        self.store = store  # --kv-index mooncake://: learns each worker's store segment
         self.tokenizer: Tokenizer | None = None
         self.fingerprint: str | None = None
         self.refused: dict[str, str] = {}  # worker url -> why
@@ -98,6 +105,10 @@ class KvRouting:
             return False
         if self.subscribe:
             self.plane.watch(worker_id, url, lambda: fetch("/get_server_info"))
+        if self.store is not None and not self.store.register(
+            worker_id, await fetch("/get_server_info")
+        ):
+            log.info("worker %s reports no KV store keys: its store holdings are not counted", url)
         return True
 
     def _tokenizer_matches(self, url: str, info: dict[str, Any]) -> bool:
@@ -119,6 +130,8 @@ class KvRouting:
 
     async def forget(self, worker_id: str) -> None:
         await self.plane.forget(worker_id)
+        if self.store is not None:
+            self.store.forget(worker_id)
 
     async def stop(self) -> None:
         await self.plane.stop()
@@ -158,6 +171,9 @@ class KvRouting:
         families.append(
             ("kv_expected_hit_tokens_total", "counter", {"": self.policy.matched_tokens})
         )
+        # of the rest, those the chosen worker was expected to load (host tier, KV store)
+        loaded = getattr(self.policy, "loaded_tokens", 0)
+        families.append(("kv_expected_loaded_tokens_total", "counter", {"": loaded}))
         return families
 
 
@@ -181,10 +197,14 @@ async def fetch_json(
 
 def open_kv_index(
     config: RouterConfig, resolve: Callable[[str], Hashable | None]
-) -> tuple[RedisIndexReader | None, KvAwarePolicy | None]:
-    """(reader, kv_aware policy on it) for `--kv-index redis://...`; (None, None) for memory."""
+) -> tuple[RedisIndexReader | MooncakeStoreReader | None, KvAwarePolicy | None]:
+    """(reader, kv_aware policy on it) for `--kv-index redis://...` or `mooncake://...`; (None,
+    None) for memory. On Mooncake the policy keeps its in-memory index of the workers' KV events
+    (device holdings) and reads the store's holdings as a lower tier."""
     if config.kv_index == "memory":
         return None, None
+    if config.kv_index.startswith("mooncake://"):
+        return open_mooncake(config)
     from radixserve.router.kvindex.redis_reader import KvsConfig, RedisIndexReader
 
     kvs = KvsConfig(
@@ -197,3 +217,34 @@ def open_kv_index(
     )
     reader = RedisIndexReader(kvs, resolve)
     return reader, KvAwarePolicy(config.cache_policy, index=reader)
+
+
+def hash_seed() -> int:
+    """The store keys' hash seed: the GO_HASH_SEED environment variable, as Llumnix reads it
+    (default 0)."""
+    raw = os.environ.get("GO_HASH_SEED", "").strip()
+    if not raw:
+        return 0
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"GO_HASH_SEED must be an integer, got {raw!r}") from None
+
+
+def open_mooncake(config: RouterConfig) -> tuple[MooncakeStoreReader, KvAwarePolicy]:
+    from radixserve.router.kvindex.mooncake_reader import MooncakeIndexConfig, MooncakeStoreReader
+
+    mc = MooncakeIndexConfig(
+        config.mooncake_address,
+        config.kvs_hash_algo,
+        config.kvs_chunk_size,
+        hash_seed(),
+        config.kvs_enable_save_unfull_chunk,
+        config.kvs_retry_times,
+        config.kvs_retry_interval_ms,
+        config.kvs_metadata_service_down_duration_s,
+        config.kvs_timeout_ms,
+        config.cache_policy.cache_aware_scheduling_min_tokens,
+    )
+    reader = MooncakeStoreReader(mc)
+    return reader, KvAwarePolicy(config.cache_policy, lower=(reader,))

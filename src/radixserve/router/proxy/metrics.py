@@ -112,7 +112,8 @@ def _kv_families(
 
 
 def _kvs_families(kvs: Any) -> Iterator[Metric]:
-    """The shared Redis index's gating state and counts (kvindex.redis_reader.RedisIndexReader)."""
+    """The KV metadata service's gating state and counts (kvindex.redis_reader.RedisIndexReader,
+    or kvindex.mooncake_reader.MooncakeStoreReader)."""
     for name, kind, doc, value in kvs.metric_samples():
         yield _KINDS[kind](PREFIX + name, doc, value=float(value))
     yield SummaryMetricFamily(

@@ -79,12 +79,19 @@ class Worker:
     addrs: frozenset[tuple[str, int]] = frozenset()
     prefill_tokens: int | None = None  # waiting prefill the worker reported (polled loads)
     reported_at: float = float("-inf")  # when that report was asked for (monotonic)
+    kv_load_ratio: float | None = None  # lower-tier load time / prefill time per token, reported
     counts: dict[str, int] = field(default_factory=lambda: {"requests": 0, "errors": 0})
 
     def view(self, now: float) -> WorkerView:
         routable = self.healthy and (self.breaker.state == "closed" or self.breaker.allows(now))
         return WorkerView(
-            self.id, self.load, routable, self.queued_units, self.prefill_tokens, self.reported_at
+            self.id,
+            self.load,
+            routable,
+            self.queued_units,
+            self.prefill_tokens,
+            self.reported_at,
+            self.kv_load_ratio,
         )
 
     def info(self) -> dict[str, object]:
@@ -273,9 +280,14 @@ class WorkerRegistry:
         stamped with the time it was asked for: dispatches made before then are in it. A worker
         that does not report (another engine, an error) keeps the router's own count alone."""
         asked = time.monotonic()
-        tokens = (await self._get_json(worker, "/get_loads") or {}).get("waiting_prefill_tokens")
+        loads = await self._get_json(worker, "/get_loads") or {}
+        tokens = loads.get("waiting_prefill_tokens")
         ok = isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0
         worker.prefill_tokens, worker.reported_at = (tokens, asked) if ok else (None, float("-inf"))
+        # what loading a token from its host tier or the store costs against prefilling one
+        ratio = loads.get("kv_load_to_prefill_ratio")
+        ok = isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and ratio >= 0
+        worker.kv_load_ratio = float(ratio) if ok else None
 
     def _record_probe(self, worker: Worker, ok: bool) -> None:
         h = self.health
