@@ -84,7 +84,21 @@ class SchedulerConfig:
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     model: str | None = _f(None, "HF directory or .gguf file (default: built-in SmolLM2-135M)")
-    dtype: str = _f("float32", "weights and KV dtype", choices=("float32", "bfloat16", "float16"))
+    dtype: str = _f(
+        "float32",
+        "weights dtype (auto: bfloat16 on a GPU or a CPU with AVX512_BF16/AMX, else float32)",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    )
+    kv_cache_dtype: str = _f(
+        "auto",
+        "KV cache dtype (auto: the weights')",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    )
+    attention_backend: str = _f(
+        "auto",
+        "attention kernels (auto: cpu-prefix on a CPU, cuda-sdpa on a GPU; torch-gather: reference)",
+        choices=("auto", "cpu-prefix", "cuda-sdpa", "torch-gather"),
+    )
     device: str = _f("cpu", "torch device (cpu, cuda, cuda:0, ...)")
     context_length: int | None = _f(None, "longest sequence (default: the model's)")
     weights_cache_dir: str = _f(

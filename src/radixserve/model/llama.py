@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from radixserve.model import rope
 from radixserve.model.arch import ModelArch
-from radixserve.model.attention import StepPlan, attend
+from radixserve.model.attention import AttentionBackend, StepPlan, TorchGather
 from radixserve.model.kv_pool import KVPool
 
 
@@ -39,10 +39,14 @@ class LlamaModel:
         tensors: Mapping[str, torch.Tensor],
         dtype: torch.dtype,
         device: torch.device,
+        backend: AttentionBackend | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         self.arch = arch
         self.dtype = dtype
+        self.kv_dtype = kv_dtype or dtype
         self.device = device
+        self.backend: AttentionBackend = backend or TorchGather()
 
         def get(name: str) -> torch.Tensor:
             return tensors[name].to(device=device, dtype=dtype)
@@ -57,7 +61,9 @@ class LlamaModel:
 
     def new_kv_pool(self, num_slots: int) -> KVPool:
         a = self.arch
-        return KVPool(a.num_layers, num_slots, a.num_kv_heads, a.head_dim, self.dtype, self.device)
+        return KVPool(
+            a.num_layers, num_slots, a.num_kv_heads, a.head_dim, self.kv_dtype, self.device
+        )
 
     def forward(self, plan: StepPlan, kv: KVPool) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` (before the final norm) of the plan's rows; writes the
@@ -91,11 +97,13 @@ class LlamaModel:
         q, k = qk[:, : a.num_heads], qk[:, a.num_heads :]
         v = qkv[:, qk_width:].view(rows, a.num_kv_heads, a.head_dim)
         kv.write(index, plan.write_slots, k, v)
-        x = x + F.linear(attend(q, k, v, plan, kv, index), w.o, w.o_bias)
+        x = x + F.linear(self.backend.attend(q, k, v, plan, kv, index), w.o, w.o_bias)
         gate, up = F.linear(self._rms_norm(x, w.post_norm), w.gate_up).chunk(2, dim=-1)
         return x + F.linear(F.silu(gate) * up, w.down)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op; the same arithmetic as below
+            return F.rms_norm(x, (x.shape[-1],), weight, eps=self.arch.rms_norm_eps)
         # normalised in float32 and cast back before the weight, as transformers does
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.arch.rms_norm_eps)
         return weight * normed.to(x.dtype)
