@@ -90,7 +90,7 @@ def instrument(t: Timers, run: TorchRunner, worker: Worker) -> None:
     llama.rope = SimpleNamespace(apply_rope=t.wrap("rope", rope.apply_rope), cos_sin=rope.cos_sin)
     run.kv.write = t.wrap("kv write", run.kv.write)
     run.kv.gather = t.wrap("attention gather", run.kv.gather)
-    llama.attend = t.wrap("attention", llama.attend)
+    run.model.backend.attend = t.wrap("attention", run.model.backend.attend)
     run.model._layer_forward = t.wrap("layers", run.model._layer_forward)
     run.sampler.sample = t.wrap("sampler", run.sampler.sample)
     run.run = t.wrap("runner", run.run)
@@ -185,11 +185,11 @@ def _stop(rid: str) -> StopReq:
     return StopReq(rid)
 
 
-_ORIG = {"F": llama.F, "rope": llama.rope, "attend": llama.attend}
+_ORIG = {"F": llama.F, "rope": llama.rope}
 
 
 def _restore() -> None:
-    llama.F, llama.rope, llama.attend = _ORIG["F"], _ORIG["rope"], _ORIG["attend"]
+    llama.F, llama.rope = _ORIG["F"], _ORIG["rope"]
 
 
 def main() -> None:
@@ -205,10 +205,10 @@ def main() -> None:
         kw["attention_backend"] = args.attention_backend
     model = ModelConfig(**kw)
     print(machine_line())
-    print(f"SmolLM2-135M, dtype {args.dtype}, torch threads {torch.get_num_threads()} -> "
-          f"set by the runner; prefix {PREFIX} cached + {SUFFIX} new tokens per request; "
-          f"ms per step (decode: median of {args.decode_steps})")  # fmt: skip
     results = {b: profile_batch(b, args, model) for b in args.batches}
+    print(f"SmolLM2-135M, dtype {args.dtype}, attention {args.attention_backend or 'auto'}, "
+          f"{torch.get_num_threads()} torch threads; prefix {PREFIX} cached + {SUFFIX} new "
+          f"tokens per request; ms per step (decode: median of {args.decode_steps})")  # fmt: skip
     heads = [f"{kind} B={b}" for kind in ("prefill", "decode") for b in args.batches]
     print("| part | " + " | ".join(heads) + " |")
     print("|---" * (len(heads) + 1) + "|")
