@@ -59,6 +59,7 @@ class SpanGroup:
     end: int
     slots: torch.Tensor | None  # [L] context slots; None: no cached context (plain causal)
     mask: torch.Tensor | None  # [n, L] additive offset-causal mask when ``slots`` is set
+    shared: bool = False  # its context's head is a SharedPrefix of ``StepPlan.span_prefixes``
 
 
 @dataclass(slots=True)
@@ -71,6 +72,9 @@ class StepPlan:
     last_rows: list[int]  # the last row of each entry, indexed like the batch's entries
     decode: DecodeGroup | None
     spans: list[SpanGroup]
+    # prefill chunks whose cached contexts start alike: ``rows`` are their query rows counted
+    # from the first span row; every query sees the whole prefix
+    span_prefixes: list[SharedPrefix] = field(default_factory=list)
 
 
 def build_plan(
@@ -100,13 +104,17 @@ def build_plan(
     def as_tensor(xs: list[int]) -> torch.Tensor:
         return torch.tensor(xs, dtype=torch.int64, device=device)
 
+    spans, span_prefixes = _span_groups(
+        [entries[i] for i in others], len(decodes), device, dtype, share_prefixes
+    )
     return StepPlan(
         input_ids=as_tensor(ids),
         positions=as_tensor(pos),
         write_slots=as_tensor(write),
         last_rows=last_rows,
         decode=_decode_group([entries[i] for i in decodes], device, dtype, share_prefixes),
-        spans=_span_groups([entries[i] for i in others], len(decodes), device, dtype),
+        spans=spans,
+        span_prefixes=span_prefixes,
     )
 
 
@@ -185,21 +193,66 @@ def _common_length(a: Sequence[int], b: Sequence[int], upto: int) -> int:
 
 
 def _span_groups(
-    entries: list[BatchEntry], first_row: int, device: torch.device, dtype: torch.dtype
-) -> list[SpanGroup]:
+    entries: list[BatchEntry],
+    first_row: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    share: bool = False,
+) -> tuple[list[SpanGroup], list[SharedPrefix]]:
+    starts = [0] * len(entries)
+    groups: list[tuple[list[int], int]] = []
+    if share:
+        starts, groups = _shared_span_prefixes(entries)
     spans = []
     row = first_row
-    for e in entries:
+    for e, skip in zip(entries, starts, strict=True):
         n = len(e.token_ids)
         if e.start_pos == 0:
             spans.append(SpanGroup(row, row + n, None, None))
         else:
-            slots = torch.tensor(e.slots, dtype=torch.int64, device=device)
+            slots = torch.tensor(e.slots[skip:], dtype=torch.int64, device=device)
             query_pos = torch.arange(e.start_pos, e.seq_len, device=device)
-            visible = torch.arange(e.seq_len, device=device)[None, :] <= query_pos[:, None]
-            spans.append(SpanGroup(row, row + n, slots, _additive(visible, dtype)))
+            key_pos = torch.arange(skip, e.seq_len, device=device)
+            visible = key_pos[None, :] <= query_pos[:, None]
+            spans.append(SpanGroup(row, row + n, slots, _additive(visible, dtype), skip > 0))
         row += n
-    return spans
+    prefixes = []
+    for members, length in groups:
+        rows = [r - first_row for i in members for r in range(spans[i].start, spans[i].end)]
+        prefixes.append(
+            SharedPrefix(
+                torch.tensor(rows, dtype=torch.int64, device=device),
+                torch.tensor(entries[members[0]].slots[:length], dtype=torch.int64, device=device),
+            )
+        )
+    return spans, prefixes
+
+
+def _shared_span_prefixes(
+    entries: list[BatchEntry],
+) -> tuple[list[int], list[tuple[list[int], int]]]:
+    """Prefill chunks on a cached context that starts alike: per entry where its own context
+    starts, and the groups (entry indices, prefix length); a prefix lies wholly in the cached
+    part of every member's context, so all their queries see all of it."""
+    by_first: dict[int, list[int]] = {}
+    for i, e in enumerate(entries):
+        if e.start_pos >= MIN_SHARED_PREFIX:
+            by_first.setdefault(e.slots[0], []).append(i)
+    starts = [0] * len(entries)
+    groups = []
+    for members in by_first.values():
+        if len(members) < 2:
+            continue
+        first = entries[members[0]].slots
+        shared = min(entries[i].start_pos for i in members)
+        for i in members[1:]:
+            shared = _common_length(first, entries[i].slots, shared)
+        if shared < MIN_SHARED_PREFIX:
+            continue
+        for i in members:
+            starts[i] = shared
+        groups.append((members, shared))
+    return starts, groups
 
 
 def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -288,8 +341,11 @@ class CpuPrefix(TorchGather):
         outs = []
         if plan.decode is not None:
             outs.append(_attend_decode_shared(q[: plan.decode.size], plan.decode, kv, layer))
-        for span in plan.spans:
-            outs.append(_attend_span_gqa(q, k, v, span, kv, layer))
+        if plan.span_prefixes:
+            outs.append(_attend_spans_shared(q, k, v, plan, kv, layer))
+        else:
+            for span in plan.spans:
+                outs.append(_attend_span_gqa(q, k, v, span, kv, layer))
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return out.reshape(q.shape[0], -1)
 
@@ -365,6 +421,54 @@ def _attend_decode_shared(
         merged += out.index_select(0, p.rows) * (lt - total).exp()[..., None]
         out.index_copy_(0, p.rows, merged)
     return out.to(q.dtype).reshape(b, heads * dim)
+
+
+def _flash_grouped(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output ``[n, heads, dim]`` (float32) and log-sum-exp ``[n, heads]`` of queries ``q``
+    ``[n, heads, dim]`` over ``k``/``v`` ``[L, kv_heads, dim]`` (``mask``: ``[n, L]``
+    additive); the query heads of one KV head are that head's query rows."""
+    n, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    per_kv = heads // kv_heads
+    qg = q.view(n, kv_heads, per_kv, dim).permute(1, 2, 0, 3).reshape(1, kv_heads, -1, dim)
+    m = None
+    if mask is not None:
+        m = mask.repeat(per_kv, 1)[None, None].expand(1, kv_heads, per_kv * n, mask.shape[1])
+    kt = k.to(q.dtype).transpose(0, 1)[None]
+    vt = v.to(q.dtype).transpose(0, 1)[None]
+    out, lse = _flash_cpu(qg, kt, vt, attn_mask=m)
+    out = out.view(kv_heads, per_kv, n, dim).permute(2, 0, 1, 3).reshape(n, heads, dim)
+    return out.float(), lse.view(kv_heads, per_kv, n).permute(2, 0, 1).reshape(n, heads)
+
+
+def _attend_spans_shared(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: StepPlan, kv: KVPool, layer: int
+) -> torch.Tensor:
+    """All spans' rows; a shared span attends its own context here and its group's prefix in
+    one call for the whole group, merged by log-sum-exp."""
+    first = plan.spans[0].start
+    heads, dim = q.shape[1], q.shape[2]
+    out = torch.empty(plan.spans[-1].end - first, heads, dim, dtype=torch.float32, device=q.device)
+    lse = torch.empty(out.shape[0], heads, dtype=torch.float32, device=q.device)
+    for span in plan.spans:
+        rows = slice(span.start - first, span.end - first)
+        if not span.shared:
+            out[rows] = _attend_span_gqa(q, k, v, span, kv, layer).view(-1, heads, dim).float()
+            continue
+        ctx_k, ctx_v = kv.gather(layer, span.slots)
+        out[rows], lse[rows] = _flash_grouped(q[span.start : span.end], ctx_k, ctx_v, span.mask)
+    queries = q[first:]
+    for p in plan.span_prefixes:
+        kp, vp = kv.gather(layer, p.slots)
+        op, lp = _flash_grouped(queries.index_select(0, p.rows), kp, vp, None)
+        lt = lse.index_select(0, p.rows)
+        total = torch.logaddexp(lp, lt)
+        merged = op * (lp - total).exp()[..., None]
+        merged += out.index_select(0, p.rows) * (lt - total).exp()[..., None]
+        out.index_copy_(0, p.rows, merged)
+    return out.to(q.dtype).reshape(out.shape[0], heads * dim)
 
 
 def _attend_span(
