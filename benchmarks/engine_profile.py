@@ -87,6 +87,7 @@ def instrument(t: Timers, run: TorchRunner, worker: Worker) -> None:
     f_ns.silu = t.wrap("mlp", F.silu)
     llama.F = f_ns
     run.model._rms_norm = t.wrap("norms", run.model._rms_norm)
+    run.model._lm_head = t.wrap("lm head", run.model._lm_head)
     llama.rope = SimpleNamespace(apply_rope=t.wrap("rope", rope.apply_rope), cos_sin=rope.cos_sin)
     run.kv.write = t.wrap("kv write", run.kv.write)
     run.kv.gather = t.wrap("attention gather", run.kv.gather)

@@ -55,6 +55,9 @@ class LlamaModel:
         self.norm = get("model.norm.weight")
         tied = arch.tie_word_embeddings or "lm_head.weight" not in tensors
         self.lm_head = self.embed if tied else get("lm_head.weight")
+        # the LM head (the largest matmul of a decode step) through oneDNN with its weight
+        # prepacked once, as vLLM-CPU does: about 2x MKL's F.linear at 8-32 rows on AVX2
+        self.lm_head_packed = _onednn_pack(self.lm_head) if _use_onednn(device, dtype) else None
         self.layers = [_layer(tensors, f"model.layers.{i}.", get) for i in range(arch.num_layers)]
         factors = tensors.get("rope_freqs")
         self.inv_freq = rope.inv_freq(arch, factors).to(device)
@@ -76,7 +79,12 @@ class LlamaModel:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[N, vocab]`` of hidden rows ``[N, hidden]``."""
-        return F.linear(self._rms_norm(hidden, self.norm), self.lm_head).float()
+        return self._lm_head(self._rms_norm(hidden, self.norm)).float()
+
+    def _lm_head(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lm_head_packed is not None and x.shape[0] > 0:
+            return torch.ops.mkldnn._linear_pointwise(x, self.lm_head_packed, None, "none", [], "")
+        return F.linear(x, self.lm_head)
 
     def _layer_forward(
         self,
@@ -107,6 +115,15 @@ class LlamaModel:
         # normalised in float32 and cast back before the weight, as transformers does
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.arch.rms_norm_eps)
         return weight * normed.to(x.dtype)
+
+
+def _use_onednn(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+def _onednn_pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ``[out, in]`` reordered into oneDNN's blocked layout (a copy)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, 32)
 
 
 def _layer(
