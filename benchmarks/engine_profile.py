@@ -70,24 +70,12 @@ class Timers:
 
 def instrument(t: Timers, run: TorchRunner, worker: Worker) -> None:
     """Wrap the hot calls with timers (instance or module attributes, nothing else changes)."""
-    a = run.model.arch
-    qkv_out = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
-
-    def linear_label(x: torch.Tensor, w: torch.Tensor, *rest: Any) -> str:
-        if w.shape[0] == qkv_out:
-            return "qkv proj"
-        if w.shape[0] == a.vocab_size:
-            return "lm head"
-        if w.shape[1] == a.num_heads * a.head_dim and w.shape[0] == a.hidden_size:
-            return "o proj"
-        return "mlp"
-
     f_ns = SimpleNamespace(**{k: getattr(F, k) for k in dir(F) if not k.startswith("_")})
-    f_ns.linear = t.wrap(linear_label, F.linear)
     f_ns.silu = t.wrap("mlp", F.silu)
     llama.F = f_ns
     run.model._rms_norm = t.wrap("norms", run.model._rms_norm)
     run.model._lm_head = t.wrap("lm head", run.model._lm_head)
+    llama.Linear.__call__ = t.wrap(lambda self, x: self.name, _ORIG["Linear"])
     llama.rope = SimpleNamespace(apply_rope=t.wrap("rope", rope.apply_rope), cos_sin=rope.cos_sin)
     run.kv.write = t.wrap("kv write", run.kv.write)
     run.kv.gather = t.wrap("attention gather", run.kv.gather)
@@ -186,11 +174,12 @@ def _stop(rid: str) -> StopReq:
     return StopReq(rid)
 
 
-_ORIG = {"F": llama.F, "rope": llama.rope}
+_ORIG = {"F": llama.F, "rope": llama.rope, "Linear": llama.Linear.__call__}
 
 
 def _restore() -> None:
     llama.F, llama.rope = _ORIG["F"], _ORIG["rope"]
+    llama.Linear.__call__ = _ORIG["Linear"]
 
 
 def main() -> None:
