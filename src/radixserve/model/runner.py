@@ -12,7 +12,8 @@ import torch
 
 from radixserve.config import ModelConfig
 from radixserve.model.arch import ModelArch
-from radixserve.model.attention import StepPlan, build_plan
+from radixserve.model.attention import StepPlan, get_backend
+from radixserve.model.dtypes import resolve_dtypes
 from radixserve.model.grammar import Grammars
 from radixserve.model.kv_pool import KVPool
 from radixserve.model.llama import LlamaModel
@@ -25,8 +26,6 @@ from radixserve.modelfiles.tokenizer import ModelInfo, load_model_info
 from radixserve.sched.batch import Batch, BatchEntry, EntryLogprobs, StepResult
 from radixserve.sched.request import SamplingParams
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 class TorchRunner:
     """Runs Batches on a Llama-family model; ``num_slots`` is the scheduler's KV pool size."""
@@ -36,11 +35,16 @@ class TorchRunner:
         self.device = torch.device(model_config.device)
         if self.device.type == "cpu":
             torch.set_num_threads(model_config.num_threads or default_num_threads())
-        self.dtype = DTYPES[model_config.dtype]
+        self.dtype, self.kv_dtype = resolve_dtypes(
+            model_config.dtype, model_config.kv_cache_dtype, model_config.device
+        )
+        self.backend = get_backend(model_config.attention_backend, self.device)
         model_dir = resolve_model_dir(model_config)
         self.info: ModelInfo = load_model_info(model_dir, model_config.context_length)
         arch = read_arch(model_dir)
-        self.model = LlamaModel(arch, load_weights(model_dir), self.dtype, self.device)
+        self.model = LlamaModel(
+            arch, load_weights(model_dir), self.dtype, self.device, self.backend, self.kv_dtype
+        )
         self.kv = self.model.new_kv_pool(num_slots)
         self.sampler = Sampler(model_config.sampling_seed)
         self.grammars = Grammars(self.info.tokenizer, arch.vocab_size, self.info.eos_token_ids)
@@ -94,7 +98,7 @@ class TorchRunner:
         if not batch.entries:
             return torch.empty(0, self.arch.vocab_size, device=self.device), {}
         self._check_bounds(batch)
-        plan: StepPlan = build_plan(batch.entries, self.device, self.dtype)
+        plan: StepPlan = self.backend.plan(batch.entries, self.device, self.dtype)
         hidden = self.model.forward(plan, self.kv)
         # only the last token of an entry that samples needs the (large) vocab projection
         rows = [plan.last_rows[i] for i in sampled]
@@ -132,5 +136,7 @@ def read_arch(model_dir: Path) -> ModelArch:
 def kv_bytes_per_token(model_config: ModelConfig) -> int:
     """KV cache bytes one token slot costs for this model and dtype (to size ``num_slots``)."""
     arch = read_arch(resolve_model_dir(model_config))
-    dtype = DTYPES[model_config.dtype]
-    return KVPool.bytes_per_slot(arch.num_layers, arch.num_kv_heads, arch.head_dim, dtype)
+    _, kv_dtype = resolve_dtypes(
+        model_config.dtype, model_config.kv_cache_dtype, model_config.device
+    )
+    return KVPool.bytes_per_slot(arch.num_layers, arch.num_kv_heads, arch.head_dim, kv_dtype)

@@ -1,0 +1,171 @@
+"""Attention backends chosen at start-up compute what the reference computes; ``--dtype auto``
+follows the CPU's flags; bfloat16 weights and KV cache stay close to transformers."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from radixserve.config import ModelConfig  # noqa: E402
+from radixserve.model.attention import (  # noqa: E402
+    BACKENDS,
+    MIN_SHARED_PREFIX,
+    build_plan,
+    get_backend,
+)
+from radixserve.model.dtypes import auto_dtype, resolve_dtypes  # noqa: E402
+from radixserve.model.runner import TorchRunner, kv_bytes_per_token  # noqa: E402
+from radixserve.sched.batch import Batch  # noqa: E402
+from tiny_models import SlotAllocator, build_tiny_model, entry  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny_model("llama3", tmp_path_factory.mktemp("tiny"))
+
+
+# -- dtype auto: a pure function of the device and the CPU flags --------------------------------
+@pytest.mark.parametrize(
+    ("device", "flags", "expected"),
+    [
+        ("cpu", {"sse4_2", "avx", "avx2", "fma"}, "float32"),  # AVX2 only: bf16 is emulated
+        ("cpu", {"avx2", "avx512f", "avx512bw", "avx512_vnni"}, "float32"),  # AVX-512, no BF16
+        ("cpu", {"avx2", "avx512f", "avx512_bf16"}, "bfloat16"),  # Cooper Lake, Zen 4
+        ("cpu", {"avx2", "avx512f", "amx_bf16", "amx_tile"}, "bfloat16"),  # Sapphire Rapids
+        ("cpu", set(), "float32"),
+        ("cuda", set(), "bfloat16"),
+    ],
+)
+def test_auto_dtype_follows_native_bf16(device, flags, expected):
+    assert auto_dtype(device, flags) == expected
+
+
+def test_kv_cache_dtype_follows_the_weights_unless_set():
+    assert resolve_dtypes("float32", "auto", "cpu") == (torch.float32, torch.float32)
+    assert resolve_dtypes("bfloat16", "auto", "cpu") == (torch.bfloat16, torch.bfloat16)
+    assert resolve_dtypes("float32", "bfloat16", "cpu") == (torch.float32, torch.bfloat16)
+    with pytest.raises(ValueError, match="unknown dtype 'int8'"):
+        resolve_dtypes("float32", "int8", "cpu")
+
+
+def test_kv_cache_dtype_halves_the_slot_cost(tiny):
+    full = kv_bytes_per_token(ModelConfig(model=str(tiny)))
+    half = kv_bytes_per_token(ModelConfig(model=str(tiny), kv_cache_dtype="bfloat16"))
+    assert half * 2 == full
+    runner = TorchRunner(ModelConfig(model=str(tiny), kv_cache_dtype="bfloat16"), num_slots=16)
+    assert runner.kv.kv.dtype == torch.bfloat16 and runner.dtype == torch.float32
+
+
+# -- the registry -------------------------------------------------------------------------------
+def test_registry_defaults_and_refusals():
+    assert set(BACKENDS) == {"cpu-prefix", "cuda-sdpa", "torch-gather"}
+    assert get_backend("auto", CPU).name == "cpu-prefix"
+    assert get_backend("auto", torch.device("cuda")).name == "cuda-sdpa"
+    assert get_backend("torch-gather", CPU).name == "torch-gather"
+    with pytest.raises(ValueError, match="'cuda-sdpa' runs on cuda, not on cpu"):
+        get_backend("cuda-sdpa", CPU)
+    with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
+        get_backend("flash", CPU)
+
+
+def test_runner_refuses_a_backend_for_another_device(tiny):
+    with pytest.raises(ValueError, match="runs on cuda"):
+        TorchRunner(ModelConfig(model=str(tiny), attention_backend="cuda-sdpa"), num_slots=8)
+
+
+# -- parity of the shared-prefix path against the reference -------------------------------------
+def shared_prefix_steps(runner: TorchRunner, steps: int = 4) -> list[torch.Tensor]:
+    """A 40-token prefix computed once; five requests on it (their own tails, of different
+    lengths, prefilled in one batch on the cached prefix) and one unrelated request; then
+    decodes of all six in one batch. Returns each step's logits."""
+    alloc = SlotAllocator(512, seed=3)
+    prefix = [(5 * i + 3) % 300 + 4 for i in range(40)]
+    prefix_slots = alloc.take(len(prefix))
+    runner.logits(Batch([entry("p", prefix, 0, prefix_slots)]))
+    tails = [[(7 * r + j) % 300 + 4 for j in range(3 + 2 * r)] for r in range(5)]
+    prompts = [prefix + t for t in tails] + [[9, 8, 7, 6, 5]]
+    slots = [prefix_slots + alloc.take(len(t)) for t in tails] + [alloc.take(5)]
+    first = [entry(str(i), t, 40, slots[i]) for i, t in enumerate(tails)]
+    first.append(entry("5", prompts[5], 0, slots[5]))
+    plan = build_plan(first, CPU, torch.float32, share_prefixes=True)
+    assert [p.slots.shape[0] for p in plan.span_prefixes] == [40]  # the five prefills share it
+    assert [s.shared for s in plan.spans] == [True] * 5 + [False]
+    out = [runner.logits(Batch(first))]
+    for step in range(1, steps):
+        # fixed next tokens (not each runner's argmax, which may differ at a near-tie)
+        tokens = [(31 * step + 7 * i) % 300 + 4 for i in range(len(prompts))]
+        entries = []
+        for i, prompt in enumerate(prompts):
+            prompt.append(tokens[i])
+            slots[i] = slots[i] + alloc.take(1)
+            entries.append(entry(str(i), [tokens[i]], len(prompt) - 1, slots[i], True,
+                                 num_generated=step))  # fmt: skip
+        if step == 1:
+            plan = build_plan(entries, CPU, torch.float32, share_prefixes=True)
+            assert plan.decode is not None and len(plan.decode.prefixes) == 1
+            assert plan.decode.prefixes[0].slots.shape[0] >= MIN_SHARED_PREFIX
+            assert plan.decode.prefixes[0].rows.tolist() == [0, 1, 2, 3, 4]
+        out.append(runner.logits(Batch(entries)))
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_prefix_backend_matches_the_reference(tiny, dtype):
+    ref = shared_prefix_steps(
+        TorchRunner(
+            ModelConfig(model=str(tiny), attention_backend="torch-gather", dtype=dtype),
+            num_slots=512,
+        )  # fmt: skip
+    )
+    ours = shared_prefix_steps(
+        TorchRunner(
+            ModelConfig(model=str(tiny), attention_backend="cpu-prefix", dtype=dtype), num_slots=512
+        )  # fmt: skip
+    )
+    assert ref[0].std() > 0.1, "logits too flat for the comparison to mean anything"
+    tol = 1e-4 if dtype == "float32" else 5e-2
+    for step, (a, b) in enumerate(zip(ours, ref, strict=True)):
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol, msg=f"step {step}")
+
+
+# -- bfloat16 against transformers in bfloat16 ---------------------------------------------------
+def test_bfloat16_greedy_and_logprobs_close_to_transformers(tiny):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        tiny, dtype=torch.bfloat16, attn_implementation="eager"
+    ).eval()
+    runner = TorchRunner(ModelConfig(model=str(tiny), dtype="bfloat16"), num_slots=128)
+    alloc = SlotAllocator(128)
+    tokens = [0, 17, 93, 140, 201, 33, 250, 7, 64, 99, 180, 12]
+    slots = alloc.take(len(tokens))
+    batch = Batch([entry("a", tokens, 0, slots)])
+    for step in range(6):
+        ours = runner.logits(batch)[0]
+        with torch.no_grad():
+            ref = hf(torch.tensor([tokens])).logits[0, -1].float()
+        # bfloat16 keeps 8 bits of mantissa: logprobs agree to a few hundredths
+        torch.testing.assert_close(
+            ours.log_softmax(-1), ref.log_softmax(-1), atol=0.1, rtol=0.0, msg=f"step {step}"
+        )
+        top2 = ref.topk(2).values
+        if top2[0] - top2[1] > 0.1:  # not a near-tie: the greedy token is the same
+            assert int(ours.argmax()) == int(ref.argmax()), f"step {step}"
+        tokens.append(int(ref.argmax()))
+        slots += alloc.take(1)
+        batch = Batch([entry("a", tokens[-1:], len(tokens) - 1, slots, num_generated=step + 1)])
+
+
+# -- CUDA ----------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (cuda-sdpa backend)")
+def test_cuda_sdpa_backend_matches_cpu_reference(tiny):
+    ref = shared_prefix_steps(
+        TorchRunner(ModelConfig(model=str(tiny), attention_backend="torch-gather"), num_slots=512)
+    )
+    config = ModelConfig(model=str(tiny), device="cuda", attention_backend="cuda-sdpa")
+    ours = shared_prefix_steps(TorchRunner(config, num_slots=512))
+    for step, (a, b) in enumerate(zip(ours, ref, strict=True)):
+        torch.testing.assert_close(a.cpu(), b, atol=1e-3, rtol=1e-3, msg=f"step {step}")
