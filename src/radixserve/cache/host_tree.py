@@ -60,7 +60,7 @@ class HostTreeMixin:
         """write_through_selective: back up the matched path's nodes hit often enough."""
         need = self.host.backup_hits  # type: ignore[union-attr]
         while node.key:
-            if node.host is None and node.hits >= need:
+            if node.host is None and node.hits + 1 >= need:  # its insertion was its first hit
                 self._backup(node)
             node = node.parent  # type: ignore[assignment]
 
@@ -162,8 +162,9 @@ class HostTreeMixin:
                 self.host.heap.offer(node)  # type: ignore[union-attr]
 
     def load(self, chain: list[TreeNode], slots: array) -> None:
-        """Bring ``chain`` (pinned) back to the device at ``slots``: one load copy per node, and
-        the nodes stay locked once (the pin becomes the caller's lock on ``chain[-1]``)."""
+        """Bring ``chain`` (pinned) back to the device at ``slots``: one load copy per node. The
+        caller's lock on the node above ``chain`` and the pins are now one lock on ``chain[-1]``
+        (the caller unlocks ``chain[-1]`` once when done)."""
         host = self.host
         assert host is not None
         pos = 0

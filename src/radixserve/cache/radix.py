@@ -333,8 +333,10 @@ class RadixCache(HostTreeMixin):
             return False
         if not node.children:
             return node.value is not None
-        return node.value is not None and self.host is not None and all(
-            c.value is None for c in node.children.values()
+        return (
+            node.value is not None
+            and self.host is not None
+            and all(c.value is None for c in node.children.values())
         )
 
     def _remove_leaf(self, leaf: TreeNode) -> None:
