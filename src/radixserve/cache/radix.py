@@ -202,6 +202,7 @@ class RadixCache(HostTreeMixin):
             return 0
         if query is None:
             query = self._encode(tokens)
+        raw, width = query.tobytes(), self._width  # compared with memcmp, as in match_prefix
         pos, cached = 0, None  # cached: where the device prefix ended (a host-only node)
         while pos < end:
             first = tokens[pos] if page == 1 else tuple(tokens[pos : pos + page])
@@ -216,7 +217,7 @@ class RadixCache(HostTreeMixin):
                 break
             key = child.key
             n = len(key)
-            if n > end - pos or query[pos : pos + n] != key:
+            if n > end - pos or not raw.startswith(key, pos * width):
                 n = common_len(key, query, pos, end)
                 n -= n % page
                 if n < len(key):
