@@ -11,8 +11,9 @@ allocator (``array('q')`` / a torch tensor). Both sides hold arrays, so the natu
 the arrays-on-both-sides comparison; the "[list]" row gives both a fresh Python list per call
 instead (a caller that never converted: what radixserve's scheduler passed before issue 16).
 
-The baseline is SGLang's ``UnifiedRadixCache`` on its Rust tree core (``rust_tree_core``),
-measured in the same process, each repeat running the systems back to back on identical trees
+Ours is the tree with host-tier support (issue 27) and no tier configured, as SGLang's is
+without HiCache. The baseline is SGLang's ``UnifiedRadixCache`` on its Rust tree core
+(``rust_tree_core``), measured in the same process, each repeat running the systems back to back on identical trees
 (see benchmarks/_radix_baselines.py); without sglang, a plain pure-Python radix tree. Median of
 --repeats; CPU time by default, as the machine may be shared (--clock wall for elapsed time).
 

@@ -13,6 +13,8 @@ PURE = [
     "radixserve.cache.pool",
     "radixserve.cache.hashing",
     "radixserve.cache.block_events",
+    "radixserve.cache.tiers",
+    "radixserve.cache.host_tree",
     "radixserve.config",
     "radixserve.sched.request",
     "radixserve.sched.batch",

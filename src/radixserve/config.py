@@ -69,11 +69,62 @@ class CacheConfig:
     )
     disable_radix_cache: bool = _f(False, "turn prefix reuse off (every prompt is computed whole)")
     max_total_tokens: int = _f(65536, "KV slots in the pool (tokens)", ge=1)
+    # SGLang's HiCache flags, same names and meanings (the storage tier is not built yet)
+    enable_hierarchical_cache: bool = _f(
+        False, "keep KV evicted from the device pool in a host-memory tier (HiCache)"
+    )
+    hicache_ratio: float | None = _f(
+        None, "host tier size / device pool size, > 1 (default 2.0; with the flag above)"
+    )
+    hicache_size: int = _f(0, "host tier size in GB; overrides --hicache-ratio (0: use the ratio)")
+    hicache_write_policy: str | None = _f(
+        None,
+        "when device KV is copied to the host tier (default write_through)",
+        choices=("write_through", "write_through_selective", "write_back"),
+    )
 
     def __post_init__(self) -> None:
         check_fields(self)
         if self.max_total_tokens < self.page_size:
             raise ValueError("max_total_tokens must hold at least one page")
+        self._check_hicache()
+
+    def _check_hicache(self) -> None:
+        given = [name for name, unset in (("--hicache-ratio", self.hicache_ratio is None),
+                 ("--hicache-size", self.hicache_size == 0),
+                 ("--hicache-write-policy", self.hicache_write_policy is None)) if not unset]  # fmt: skip
+        if given and not self.enable_hierarchical_cache:
+            raise ValueError(f"{', '.join(given)}: only with --enable-hierarchical-cache")
+        if self.hicache_ratio is not None and not self.hicache_ratio > 1:
+            raise ValueError(
+                f"--hicache-ratio must be > 1 (the host tier holds what the device pool "
+                f"evicts), got {self.hicache_ratio}"
+            )
+        if self.hicache_size < 0:
+            raise ValueError(f"--hicache-size must be >= 0 GB, got {self.hicache_size}")
+        if self.enable_hierarchical_cache and self.disable_radix_cache:
+            raise ValueError("--enable-hierarchical-cache needs the radix cache")
+
+    @property
+    def write_policy(self) -> str:
+        return self.hicache_write_policy or "write_through"
+
+    def host_tokens(self, bytes_per_token: int | None) -> int:
+        """The host tier's size in tokens (0: no tier): ``hicache_size`` GB at
+        ``bytes_per_token``, else ``hicache_ratio`` (2.0) times the device pool."""
+        if not self.enable_hierarchical_cache:
+            return 0
+        if self.hicache_size and bytes_per_token:
+            n = int(self.hicache_size * 1e9 // bytes_per_token)
+        else:
+            n = int(self.max_total_tokens * (self.hicache_ratio or 2.0))
+        n -= n % self.page_size
+        if n <= self.max_total_tokens:
+            raise ValueError(
+                f"--hicache-size {self.hicache_size} GB holds {n} tokens, not more than the "
+                f"device pool's {self.max_total_tokens}"
+            )
+        return n
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,18 +15,20 @@ class TreeNode:
     ``value`` their KV slot ids as an ``array('q')`` (both compact, compared and copied in C,
     never traversed by the garbage collector). A value is never changed in place: a split
     gives both halves new arrays, so an evicted node, and a MatchResult ending at it, keep
-    theirs. ``priority``, ``benefit`` and ``hseq`` serve the eviction policies."""
+    theirs. ``priority``, ``benefit`` and ``hseq`` serve the eviction policies; ``hseq`` is the
+    entry of the one heap the node waits in (device leaves, or the host tier's leaves)."""
 
     __slots__ = (
         "children", "parent", "key", "value", "lock_ref", "last_access", "hits", "born",
-        "priority", "benefit", "hseq",
+        "priority", "benefit", "hseq", "host",
     )  # fmt: skip
 
-    def __init__(self, key: array, value: array, parent: TreeNode | None, tick: int):
+    def __init__(self, key: array, value: array | None, parent: TreeNode | None, tick: int):
         self.children: dict[Any, TreeNode] = {}
         self.parent = parent
         self.key = key
-        self.value = value
+        self.value = value  # None: the KV lives only in the host tier (cache.host_tree)
+        self.host: array | None = None  # its host-tier slots, when it has a host copy
         self.lock_ref = 0
         self.last_access = tick
         self.hits = 0

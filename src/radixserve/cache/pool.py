@@ -144,7 +144,9 @@ class SlotAllocator:
         hi = lo + n  # exclusive
         if lo < 0 or lo % p or hi % p or hi > len(iota) or slots[-1] != hi - 1:
             return False
-        if type(slots) is not array or slots.typecode != SLOT_CODE or slots != iota[lo:hi]:
+        if type(slots) is not array or slots.typecode != SLOT_CODE:
+            return False
+        if slots.tobytes() != iota[lo:hi].tobytes():  # a memcmp (array == compares per item)
             return False
         if self._in_use.find(0, lo // p, hi // p) >= 0:
             return False  # a page not in use: the slow path names it

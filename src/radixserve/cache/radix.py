@@ -26,18 +26,27 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 
 from radixserve.cache.evict import POLICIES, EvictionHeap, add_hit
+from radixserve.cache.host_tree import HostTreeMixin
 from radixserve.cache.node import MatchResult, TreeListener, TreeNode, path_slots
+from radixserve.cache.tiers import HostTier
 from radixserve.cache.tokens import SLOT_CODE, common_len, token_array
 from radixserve.config import CacheConfig
 
 __all__ = ["MatchResult", "RadixCache", "TreeListener", "TreeNode", "path_slots", "token_array"]
 
 
-class RadixCache:
-    """Prefix tree over token ids; one subtree per namespace (LoRA id, cache salt, ...)."""
+class RadixCache(HostTreeMixin):
+    """Prefix tree over token ids; one subtree per namespace (LoRA id, cache salt, ...).
 
-    def __init__(self, config: CacheConfig | None = None) -> None:
+    With a ``host`` tier, a node evicted from the device pool keeps its KV in host memory when
+    it has a host copy (``cache.host_tree``): a match reports the device prefix, ``match_host``
+    the host-only nodes that continue it, and ``load`` brings them back."""
+
+    def __init__(self, config: CacheConfig | None = None, host: HostTier | None = None) -> None:
         self.config = config or CacheConfig()
+        self.host = host
+        self._backup_on_insert = host is not None and host.backup_hits == 1
+        self._selective = host is not None and host.backup_hits == 2
         self.page_size = self.config.page_size
         name = self.config.radix_eviction_policy
         if name not in POLICIES:
@@ -64,7 +73,11 @@ class RadixCache:
             raise RuntimeError("cannot reset the radix cache while requests hold locked prefixes")
         freed = array(SLOT_CODE)
         for node in self._nodes() if hasattr(self, "root") else ():
-            freed += node.value
+            if node.value is not None:
+                freed += node.value
+        if self.host is not None:
+            self.host.reset()
+        self._host_held = self._host_only = 0
         self._tick = 0
         self._code, self._width = "I", 4  # 32-bit token ids until a larger one arrives
         self._evq = EvictionHeap(self._policy)
@@ -139,8 +152,8 @@ class RadixCache:
         if not end:
             return MatchResult(node, 0)
         child = node.children.get(tokens[0] if page == 1 else tuple(tokens[:page]))
-        if child is None:  # a miss costs one dict lookup: the query is encoded only on a hit
-            return MatchResult(node, 0)
+        if child is None or child.value is None:  # a miss costs one dict lookup: the query
+            return MatchResult(node, 0)  # is encoded only on a hit
         if query is None:
             query = self._encode(tokens)
         raw, width = query.tobytes(), self._width  # raw.startswith(key, offset): no slicing
@@ -165,8 +178,10 @@ class RadixCache:
             if pos == end:
                 break
             child = node.children.get(tokens[pos] if page == 1 else tuple(tokens[pos : pos + page]))
-            if child is None:
+            if child is None or child.value is None:  # the device prefix ends here
                 break
+        if self._selective:
+            self._backup_path(node)
         return MatchResult(node, pos)
 
     def insert(
@@ -187,7 +202,8 @@ class RadixCache:
             return 0
         if query is None:
             query = self._encode(tokens)
-        pos = 0
+        raw, width = query.tobytes(), self._width  # compared with memcmp, as in match_prefix
+        pos, cached = 0, None  # cached: where the device prefix ended (a host-only node)
         while pos < end:
             first = tokens[pos] if page == 1 else tuple(tokens[pos : pos + page])
             child = node.children.get(first)
@@ -196,10 +212,12 @@ class RadixCache:
                 leaf.priority = priority
                 self._add_leaf(node, first, leaf)
                 self._evq.offer(leaf)
+                if self._backup_on_insert:
+                    self._backup(leaf)
                 break
             key = child.key
             n = len(key)
-            if n > end - pos or query[pos : pos + n] != key:
+            if n > end - pos or not raw.startswith(key, pos * width):
                 n = common_len(key, query, pos, end)
                 n -= n % page
                 if n < len(key):
@@ -209,9 +227,13 @@ class RadixCache:
                 child.priority = priority
             if self._rekey_on_access and child.hseq is not None:
                 self._evq.rekey(child)
+            if child.value is None:  # on the host only: the caller's fresh KV revives it
+                cached = pos if cached is None else cached
+                self._revive(child, slots, pos)
+                self._evq.offer(child)
             pos += n
             node = child
-        return pos
+        return pos if cached is None else cached
 
     def _new_leaf(
         self, query: array, slots: Sequence[int], pos: int, end: int, parent: TreeNode, tick: int
@@ -232,20 +254,25 @@ class RadixCache:
         """Cut ``child`` after ``n`` tokens; the new upper node takes its place in the parent."""
         parent = child.parent
         assert parent is not None and 0 < n < len(child.key)
-        upper = TreeNode(child.key[:n], child.value[:n], parent, child.born)
+        value, host = child.value, child.host
+        upper = TreeNode(child.key[:n], None if value is None else value[:n], parent, child.born)
         upper.lock_ref, upper.last_access, upper.hits = (
             child.lock_ref,
             child.last_access,
             child.hits,
         )
         upper.priority, upper.benefit = child.priority, child.benefit
-        child.key, child.value, child.parent = child.key[n:], child.value[n:], upper
+        child.key, child.parent = child.key[n:], upper
+        child.value = None if value is None else value[n:]
+        if host is not None:
+            upper.host, child.host = host[:n], host[n:]
         upper.children[self._child_key(child.key, 0)] = child
         parent.children[self._child_key(upper.key, 0)] = upper
-        if self._benefit:  # fewer tokens: a lower benefit, so an earlier place in the heap
+        if self._benefit and value is not None:  # fewer tokens: a lower benefit, an earlier place
             self._evq.rekey(child)
-        for listener in self.listeners:
-            listener.on_split(upper, child)
+        if value is not None:  # listeners follow the device tree only
+            for listener in self.listeners:
+                listener.on_split(upper, child)
         return upper
 
     # -- locks -------------------------------------------------------------------------------
@@ -266,8 +293,8 @@ class RadixCache:
             if node.lock_ref == 0:
                 self._evictable += len(node.key)
                 self._protected -= len(node.key)
-                if not node.children:
-                    self._evq.offer(node)
+                if not node.children or self.host is not None:
+                    self._evq.offer(node)  # (with host-only children: a device leaf too)
             node = node.parent  # type: ignore[assignment]
 
     # -- eviction ----------------------------------------------------------------------------
@@ -291,15 +318,27 @@ class RadixCache:
             if leaf is None:
                 break
             parent = leaf.parent
-            self._remove_leaf(leaf)
             runs.append(leaf.value)  # its own array: nothing copied
             n += len(leaf.value)
+            if self.host is None:
+                self._remove_leaf(leaf)
+            else:
+                self._offload(leaf)
             if evictable(parent):
                 evq.offer(parent)
         return runs
 
     def _evictable_leaf(self, node: TreeNode) -> bool:
-        return not node.children and node.lock_ref == 0 and not node.is_root
+        """An unlocked device node with no device child (host-only children may stay)."""
+        if node.lock_ref or node.is_root:
+            return False
+        if not node.children:
+            return node.value is not None
+        return (
+            node.value is not None
+            and self.host is not None
+            and all(c.value is None for c in node.children.values())
+        )
 
     def _remove_leaf(self, leaf: TreeNode) -> None:
         parent = leaf.parent
@@ -333,18 +372,22 @@ class RadixCache:
                 assert not node.key and not node.value and node.lock_ref >= 1
                 continue
             assert type(node.key) is array and node.key.typecode == self._code, "key not encoded"
-            assert type(node.value) is array and node.value.typecode == SLOT_CODE, "value type"
-            assert len(node.key) == len(node.value) > 0, "key/value length mismatch"
-            assert len(node.key) % self.page_size == 0, "node not page aligned"
+            assert len(node.key) % self.page_size == 0 and node.key, "node not page aligned"
             assert node.lock_ref >= sum(c.lock_ref for c in node.children.values()), "lock_ref"
+            if node.value is None:  # host only: the host tier's check
+                continue
+            assert node.parent.value is not None or not node.parent.key, "device below host"
+            assert type(node.value) is array and node.value.typecode == SLOT_CODE, "value type"
+            assert len(node.key) == len(node.value), "key/value length mismatch"
             assert seen_slots.isdisjoint(node.value), "a slot is held by two nodes"
             seen_slots.update(node.value)
             if node.lock_ref > 0:
                 protected += len(node.key)
             else:
                 evictable += len(node.key)
-                if not node.children:
+                if self._evictable_leaf(node):
                     leaves.append(node)
         assert evictable == self._evictable, f"evictable {self._evictable} != {evictable}"
         assert protected == self._protected, f"protected {self._protected} != {protected}"
         self._evq.check(leaves)
+        self._check_host(self._nodes())

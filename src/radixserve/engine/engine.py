@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any
 
 from radixserve.engine.launch import EngineConfig, EngineProcesses, launch
-from radixserve.engine.messages import TextOut
+from radixserve.engine.messages import TextOut, cached_details
 from radixserve.engine.tokenizer_manager import GenerateInput, TokenizerManager, prompt_inputs
 from radixserve.sched.batch import TokenLogprob
 from radixserve.sched.request import SamplingParams, needs_logits
@@ -292,6 +292,7 @@ def _result(text: str, ids: list[int], out: TextOut) -> dict[str, Any]:
             "prompt_tokens": out.prompt_tokens,
             "completion_tokens": out.completion_tokens,
             "cached_tokens": out.cached_tokens,
+            "cached_tokens_details": cached_details(out.cached_tokens, out.host_cached_tokens),
             "matched_stop": out.matched_stop,
         },
     }

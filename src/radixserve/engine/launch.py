@@ -72,11 +72,14 @@ class EngineConfig:
         from radixserve.sched.scheduler import Scheduler
 
         runner, cache, info = self._sim_runner() if self.sim else self._torch_runner()
+        pool = getattr(runner, "kv", None)  # a simulated runner has no KV bytes
+        host_tokens = cache.host_tokens(pool.nbytes // pool.num_slots if pool else None)
         scheduler = Scheduler(
             self.sched, cache, eos_token_ids=info["eos_token_ids"],
-            context_length=info["context_length"],
+            context_length=info["context_length"], host_tokens=host_tokens,
         )  # fmt: skip
-        return runner, scheduler, {**info, "max_total_tokens": cache.max_total_tokens}
+        return runner, scheduler, {**info, "max_total_tokens": cache.max_total_tokens,
+                                   "host_tier_tokens": host_tokens}  # fmt: skip
 
     def _sim_runner(self) -> tuple[Any, CacheConfig, dict[str, Any]]:
         from radixserve.sim.costmodel import get_cost_model

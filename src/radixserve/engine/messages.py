@@ -95,6 +95,7 @@ class TokenOut:
     # logprobs of the prompt tokens at positions prompt_logprob_start.. (first output only)
     prompt_logprobs: list[TokenLogprob] | None = None
     prompt_logprob_start: int = 0
+    host_cached_tokens: int = 0  # of cached_tokens, loaded from the host tier
 
 
 @dataclass(slots=True)
@@ -116,8 +117,14 @@ class TextOut:
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
     prompt_logprob_start: int = 0
+    host_cached_tokens: int = 0  # of cached_tokens, loaded from the host tier
 
 
 @dataclass(slots=True)
 class TextBatch:
     outputs: list[TextOut]
+
+
+def cached_details(total: int, host: int) -> dict[str, int]:
+    """Cached prompt tokens by the KV tier they came from (``total`` is their sum)."""
+    return {"device": total - host, "host": host}

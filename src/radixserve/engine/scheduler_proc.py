@@ -44,6 +44,7 @@ class Worker:
     push: zmq.Socket
     realtime: bool
     events: KVEventPlane | None = None  # KV-cache events of the tree, published per step
+    tiers: Any = None  # kvstore.HostKVPool: the host tier's bytes (None: no tier, or simulated)
     store: Any = None  # --sim-kv-store: SimStoreWriter, fed each finished prompt
     live: dict[str, Req] = field(default_factory=dict)  # requests whose tokens go out
     # prompt logprobs computed by prefill chunks, by position, until the first token goes out
@@ -129,6 +130,8 @@ class Worker:
         batch = self.scheduler.step()
         if batch is None:
             return False
+        if batch.kv_copies and self.tiers is not None:
+            self.tiers.apply(batch.kv_copies)  # before the forward may overwrite a slot they read
         result = self.runner.run(batch)
         if self.realtime and result.duration:
             time.sleep(result.duration)
@@ -164,6 +167,7 @@ class Worker:
                 self.store.submit(req.input_ids, req.namespace)
         out = TokenOut(o.rid, [o.token_id], o.finished, reason, len(req.input_ids),
                        o.cached_tokens, req.num_generated, matched)  # fmt: skip
+        out.host_cached_tokens = o.host_cached_tokens
         if logprob is not None:
             out.logprobs = [logprob]
         prompt = self.prompt_lp.pop(o.rid, None)
@@ -213,7 +217,8 @@ def run_scheduler(engine_config: Any, endpoints: Endpoints, ready: Any, parent_p
             return
         info["kv_store"] = store.info()
     ready.send(("ready", {"pid": os.getpid(), **info}))
-    worker = Worker(scheduler, runner, pull, push, engine_config.sim is not None, events)
+    tiers = _host_pool(runner, scheduler)
+    worker = Worker(scheduler, runner, pull, push, engine_config.sim is not None, events, tiers)
     worker.store = store
     worker.loop()
 
@@ -224,3 +229,14 @@ def _kv_events(engine_config: Any, scheduler: Scheduler) -> KVEventPlane | None:
     if engine_config.kv_events is None or not engine_config.kv_events.enable_kv_cache_events:
         return None
     return KVEventPlane(engine_config.kv_events, scheduler.cache)
+
+
+def _host_pool(runner: Any, scheduler: Scheduler) -> Any:
+    """The host tier's bytes, shaped like the runner's device pool (None without a tier, or
+    for a simulated runner, which has no bytes to move)."""
+    host, pool = scheduler.kv.host, getattr(runner, "kv", None)
+    if host is None or pool is None:
+        return None
+    from radixserve.kvstore.host_pool import HostKVPool
+
+    return HostKVPool(pool, host.total)

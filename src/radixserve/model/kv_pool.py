@@ -53,3 +53,12 @@ class KVPool:
         v = self.kv[layer, 1].index_select(0, flat)
         tail = self.kv.shape[3:]
         return k.view(*slots.shape, *tail), v.view(*slots.shape, *tail)
+
+    # -- page copies between tiers (kvstore) ---------------------------------------------------
+    def read_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """Every layer's K and V at ``slots`` (``[n]``, int64): ``[layers, 2, n, heads, dim]``."""
+        return self.kv.index_select(2, slots)
+
+    def write_slots(self, slots: torch.Tensor, data: torch.Tensor) -> None:
+        """Store ``data`` (as ``read_slots`` returns it, any device) at ``slots``."""
+        self.kv.index_copy_(2, slots, data.to(self.kv.device, non_blocking=True))

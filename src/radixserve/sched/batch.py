@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from radixserve.sched.request import SamplingParams
 
@@ -46,6 +47,9 @@ class Batch:
 
     entries: list[BatchEntry] = field(default_factory=list)
     step_id: int = 0
+    # page copies between the KV tiers (cache.tiers.PageCopy: slot ids only), to be applied in
+    # order before this step's forward, which may overwrite a slot a copy reads
+    kv_copies: list[Any] = field(default_factory=list)
 
     @property
     def is_prefill(self) -> bool:

@@ -12,6 +12,7 @@ from typing import Any
 
 from radixserve.cache.pool import RequestSlotTable, SlotAllocator
 from radixserve.cache.radix import RadixCache, TreeNode, path_slots
+from radixserve.cache.tiers import HostTier, PageCopy
 from radixserve.config import CacheConfig
 from radixserve.sched.request import Req
 
@@ -20,11 +21,16 @@ class KVManager:
     """Rule for callers: a running request's ``locked_node`` is locked exactly once by it (the
     scheduler locks the matched prefix at admission; ``cache_unfinished`` moves the lock)."""
 
-    def __init__(self, config: CacheConfig) -> None:
+    def __init__(self, config: CacheConfig, host_tokens: int = 0) -> None:
         self.config = config
         self.page = config.page_size
         self.enabled = not config.disable_radix_cache
-        self.cache = RadixCache(config)
+        self.host = (
+            HostTier(host_tokens, config.page_size, config.write_policy)
+            if host_tokens and self.enabled
+            else None
+        )
+        self.cache = RadixCache(config, self.host)
         self.allocator = SlotAllocator(config.max_total_tokens, config.page_size)
         self.table = RequestSlotTable(self.allocator)
 
@@ -71,6 +77,33 @@ class KVManager:
         self.table.open(req.rid, prefix)
         req.locked_node = req.match_node
         req.kv_len = req.prefix_len
+
+    # -- the host tier -----------------------------------------------------------------------
+    def load_host(self, req: Req, limit: int) -> int:
+        """Bring up to ``limit`` tokens of ``req``'s prefix that continue its device match
+        (``req.match_node``, locked) back from the host tier, when the device pool has room;
+        the request's match and lock move down to the loaded nodes. Returns the tokens loaded
+        (their copies wait in ``take_copies``)."""
+        if self.host is None or limit < self.page or req.match_node is None:
+            return 0
+        end = req.prefix_len + limit
+        chain = self.cache.match_host(req.fill_ids(), req.match_node, req.prefix_len, end)
+        if not chain:
+            return 0
+        n = sum(len(node.key) for node in chain)
+        self.cache.pin_host(chain, 1)
+        if not self.ensure_free(n):
+            self.cache.pin_host(chain, -1)
+            return 0
+        self.cache.load(chain, self.allocator.alloc(n))
+        req.match_node = chain[-1]
+        req.match_len += n
+        req.prefix_len += n
+        return n
+
+    def take_copies(self) -> list[PageCopy]:
+        """Page copies between the tiers, in order, to apply before the next forward."""
+        return self.host.take_copies() if self.host is not None else []
 
     def extend(self, req: Req, n: int) -> list[int]:
         """Slots for ``n`` more positions of ``req``, evicting from the tree if needed."""
@@ -142,7 +175,7 @@ class KVManager:
         a, c, t = self.allocator, self.cache, self.table
         parts = (a.available(), c.evictable_size(), c.protected_size(), t.held())
         assert sum(parts) == self.total, f"free+evictable+protected+held {parts} != {self.total}"
-        c.check_integrity()
+        c.check_integrity()  # both tiers: the host tier's slots too
         assert len(t) == len(running), f"{len(t)} slot-table entries, {len(running)} running"
         for req in running:
             assert req.rid in t, f"{req.rid} runs without slots"

@@ -160,5 +160,6 @@ class PrefixIndex:
                 node = node.parent
             assert depth == req.match_len, f"{req.rid}: depth {depth} != {req.match_len}"
             key = self._key_of[req]
-            if key is not None and key in req.match_node.children:
+            child = req.match_node.children.get(key) if key is not None else None
+            if child is not None and child.value is not None:  # (not a host-only node)
                 assert req in self._dirty, f"{req.rid}: extendable match not marked dirty"

@@ -129,6 +129,7 @@ class Req:
     output_ids: list[int] = field(default_factory=list, repr=False)
     finish_reason: FinishReason | None = None
     cached_tokens: int = 0  # prompt tokens that came from the cache at first admission
+    host_cached_tokens: int = 0  # of those, the ones loaded back from the host tier
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -188,3 +189,4 @@ class TokenOutput:
     finished: bool
     finish_reason: FinishReason | None
     cached_tokens: int
+    host_cached_tokens: int = 0  # of cached_tokens, loaded from the host tier

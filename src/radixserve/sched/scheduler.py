@@ -47,6 +47,9 @@ class SchedulerStats:
     new_token_ratio: float
     # prompt tokens queued or mid-chunk and not yet computed (a kv_aware router reads them)
     waiting_prefill_tokens: int = 0
+    host_cached_prompt_tokens: int = 0  # of cached_prompt_tokens, loaded from the host tier
+    host_tier_tokens: int = 0  # host-tier slots holding KV
+    host_tier_total: int = 0  # host-tier slots (0: no host tier)
 
 
 def _entry(req: Req, tokens: list[int], start: int, slots: list[int], prefill: bool) -> BatchEntry:
@@ -70,9 +73,10 @@ class Scheduler:
         eos_token_ids: Iterable[int] = (),
         context_length: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        host_tokens: int = 0,
     ) -> None:
         self.config = sched_config or SchedulerConfig()
-        self.kv = KVManager(cache_config or CacheConfig())
+        self.kv = KVManager(cache_config or CacheConfig(), host_tokens)
         check_config(self.config, self.kv.page)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.context_length = context_length
@@ -150,7 +154,7 @@ class Scheduler:
             self.running.reset_ratio()  # idle: start afresh
             return None
         self._step_id += 1
-        self._in_flight = Batch(prefills + decodes, self._step_id)
+        self._in_flight = Batch(prefills + decodes, self._step_id, self.kv.take_copies())
         return self._in_flight
 
     def on_output(self, batch: Batch, result: StepResult) -> list[TokenOutput]:
@@ -185,7 +189,9 @@ class Scheduler:
             self._end(req.rid, ReqState.FINISHED, reason)
         elif was_prefill:
             self.kv.cache_unfinished(req)  # so requests that share its prompt match it now
-        return TokenOutput(req.rid, token, reason is not None, reason, req.cached_tokens)
+        return TokenOutput(
+            req.rid, token, reason is not None, reason, req.cached_tokens, req.host_cached_tokens
+        )
 
     def _stop_reason(self, req: Req, token: int) -> FinishReason | None:
         sp = req.sampling
@@ -290,8 +296,9 @@ class Scheduler:
             self._dequeue(req)
         for req in victims:
             self._retract(req)
+        loaded = self._load_host(adder) if self.kv.host is not None else {}
         for req in fresh:
-            self._start_running(req)
+            self._start_running(req, loaded.get(req.rid, 0))
         # evict for the whole batch at once: each eviction walks the tree
         self.kv.ensure_free(sum(self.kv.extend_cost(a.req, a.extend_len) for a in adder.admitted))
         entries = []
@@ -306,13 +313,30 @@ class Scheduler:
         self._last_chunk = adder.chunked is not None
         return entries
 
-    def _start_running(self, req: Req) -> None:
+    def _load_host(self, adder: PrefillAdder) -> dict[str, int]:
+        """Fresh admissions whose prefix continues in the host tier load it instead of
+        computing it: the same slots, fewer tokens to compute (at least one still is)."""
+        loaded = {}
+        for adm in adder.admitted:
+            req = adm.req
+            if req.state is not ReqState.WAITING or adm.start != req.prefix_len:
+                continue
+            n = self.kv.load_host(req, adm.extend_len - 1)
+            if n:
+                adm.start += n
+                adm.extend_len -= n
+                loaded[req.rid] = n
+        return loaded
+
+    def _start_running(self, req: Req, from_host: int = 0) -> None:
         self.kv.open(req)
         req.state = ReqState.RUNNING
         self.running.enter(req)
         if req.first_scheduled_time is None:
             req.first_scheduled_time = self.clock()
             req.cached_tokens = req.prefix_len
+            req.host_cached_tokens = from_host
+            self._n["host_cached"] += from_host
             self._n["prompt"] += len(req.input_ids)
             self._n["cached"] += req.prefix_len
 
@@ -437,6 +461,9 @@ class Scheduler:
             num_retracted=n["retracted"],
             new_token_ratio=self.running.ratio,
             waiting_prefill_tokens=self.waiting_prefill_tokens(),
+            host_cached_prompt_tokens=n["host_cached"],
+            host_tier_tokens=self.kv.cache.host_size(),
+            host_tier_total=self.kv.host.total if self.kv.host is not None else 0,
         )
 
     def waiting_prefill_tokens(self) -> int:

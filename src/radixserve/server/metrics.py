@@ -23,6 +23,9 @@ ENGINE_GAUGES = {
     "kv_usage": ("token_usage", "share of the KV pool held by requests or locked in the cache"),
     "cache_hit_rate": ("cache_hit_rate", "cached prompt tokens / prompt tokens, since start"),
     "num_retracted": ("num_retracted_reqs", "requests retracted for KV since start"),
+    # with --enable-hierarchical-cache only
+    "host_tier_tokens": ("hicache_host_used_tokens", "host-tier KV slots holding KV"),
+    "host_tier_total": ("hicache_host_total_tokens", "host-tier KV slots"),
     # with --kv-events-config only
     "kv_events_blocks": ("kv_events_blocks", "full blocks announced and not removed"),
     "kv_events_sent": ("kv_events_sent", "KV events published since start"),
@@ -54,6 +57,13 @@ class ServerMetrics:
         self.prompt_tokens = Counter(p + "prompt_tokens", "prompt tokens processed", registry=r)
         self.cached_tokens = Counter(
             p + "cached_tokens", "prompt tokens served from the prefix cache", registry=r
+        )
+        self.cached_tokens_by_tier = Counter(
+            p + "cached_tokens_by_tier",
+            "prompt tokens served from the prefix cache, by the KV tier they were in "
+            "(device: the engine's pool; host: loaded back from host memory)",
+            ["tier"],
+            registry=r,
         )
         self.generation_tokens = Counter(
             p + "generation_tokens", "tokens generated and sent", registry=r
@@ -99,6 +109,8 @@ class RequestTrack:
             m.ttft.observe(now - self.start)
             m.prompt_tokens.inc(out.prompt_tokens)
             m.cached_tokens.inc(out.cached_tokens)
+            m.cached_tokens_by_tier.labels("host").inc(out.host_cached_tokens)
+            m.cached_tokens_by_tier.labels("device").inc(out.cached_tokens - out.host_cached_tokens)
         elif n and self.last is not None:
             # one token per output today; should an output carry several, spread the gap
             for _ in range(n):

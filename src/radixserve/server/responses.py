@@ -11,7 +11,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from radixserve.engine.messages import TextOut
+from radixserve.engine.messages import TextOut, cached_details
 from radixserve.sched.batch import TokenLogprob
 from radixserve.server.logprobs import (
     TokenText,
@@ -86,12 +86,17 @@ def usage(choices: list[Choice], n: int) -> dict[str, Any]:
     """OpenAI usage; a prompt sampled ``n`` times counts once, as OpenAI counts it."""
     firsts = [c for c in choices if c.index % n == 0]
     prompt = sum(c.count("prompt_tokens") for c in firsts)
+    cached = sum(c.count("cached_tokens") for c in firsts)
+    host = sum(c.count("host_cached_tokens") for c in firsts)
     completion = sum(c.count("completion_tokens") for c in choices)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(c.count("cached_tokens") for c in firsts)},
+        "prompt_tokens_details": {
+            "cached_tokens": cached,
+            "cached_tokens_details": cached_details(cached, host),
+        },
     }
 
 
@@ -182,6 +187,9 @@ def meta_info(c: Choice) -> dict[str, Any]:
         "prompt_tokens": c.count("prompt_tokens"),
         "completion_tokens": c.count("completion_tokens"),
         "cached_tokens": c.count("cached_tokens"),
+        "cached_tokens_details": cached_details(
+            c.count("cached_tokens"), c.count("host_cached_tokens")
+        ),
         "e2e_latency": round(time.perf_counter() - c.started, 6),
     }
 

@@ -1,0 +1,71 @@
+"""HostKVPool: the host tier's KV bytes, and the batched page copies between it and the device
+pool that the scheduler's ``Batch.kv_copies`` list (applied before the batch's forward)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from radixserve.model.kv_pool import KVPool
+
+
+class HostKVPool:
+    """One tensor shaped like the device pool's, ``[layers, 2, host_slots, heads, dim]``, in
+    host memory; pinned when the device pool is on a GPU, so copies run at full PCIe speed."""
+
+    def __init__(self, device_pool: KVPool, num_slots: int) -> None:
+        if num_slots < 1:
+            raise ValueError(f"the host tier needs at least one slot, got {num_slots}")
+        src = device_pool.kv
+        shape = (src.shape[0], src.shape[1], num_slots, *src.shape[3:])
+        pin = src.device.type == "cuda"
+        self.device_pool = device_pool
+        self.kv = torch.zeros(shape, dtype=src.dtype, device="cpu", pin_memory=pin)
+        self.bytes_stored = self.bytes_loaded = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return self.nbytes // self.kv.shape[2]
+
+    def apply(self, copies: Sequence[Any]) -> None:
+        """Run ``copies`` (``cache.tiers.PageCopy``) in order; a run of copies of one kind is
+        one gather and one scatter over all layers."""
+        i = 0
+        while i < len(copies):
+            j = i
+            while j < len(copies) and copies[j].kind == copies[i].kind:
+                j += 1
+            self._copy(copies[i].kind, copies[i:j])
+            i = j
+
+    def _copy(self, kind: str, run: Sequence[Any]) -> None:
+        store = kind == "store"
+        src, dst = _pairs(run, store)
+        if store:
+            data = self.device_pool.read_slots(_ids(src, self.device_pool.kv.device))
+            self.kv.index_copy_(2, _ids(dst, "cpu"), data.to("cpu"))
+            self.bytes_stored += len(dst) * self.bytes_per_slot
+        else:
+            data = self.kv.index_select(2, _ids(src, "cpu"))
+            self.device_pool.write_slots(_ids(dst, self.device_pool.kv.device), data)
+            self.bytes_loaded += len(dst) * self.bytes_per_slot
+
+
+def _pairs(run: Sequence[Any], store: bool) -> tuple[list[int], list[int]]:
+    """Source and destination slots of a run; a destination written twice keeps its last
+    source (a slot freed and reused within one step), as one scatter cannot order them."""
+    last: dict[int, int] = {}
+    for c in run:
+        src, dst = (c.device, c.host) if store else (c.host, c.device)
+        last.update(zip(dst, src))
+    return list(last.values()), list(last)
+
+
+def _ids(slots: list[int], device: Any) -> torch.Tensor:
+    return torch.tensor(slots, dtype=torch.int64, device=device)

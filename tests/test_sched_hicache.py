@@ -1,0 +1,95 @@
+"""The scheduler with a host tier: a long random run (shared prefixes, a device pool far too
+small for them, aborts, retractions) where the runner's KV lives in slots and the tier copies
+move it. A prefix loaded from the host with wrong or stale bytes gives a wrong token, so output
+equality with ``reference()`` proves the loads, stores and their order right."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from radixserve.config import CacheConfig, SchedulerConfig
+from radixserve.sched.batch import Batch, StepResult
+from radixserve.sched.request import Req, ReqState
+from radixserve.sched.scheduler import Scheduler
+from test_sched_support import Clock, KVRunner, make_req, reference, tokens
+
+
+class TieredKVRunner(KVRunner):
+    """KVRunner plus a host tier: applies a batch's copies, in order, before its forward."""
+
+    def __init__(self, num_slots: int, host_slots: int) -> None:
+        super().__init__(num_slots)
+        self.host_tok: list[int | None] = [None] * host_slots
+        self.host_pos: list[int | None] = [None] * host_slots
+
+    def run(self, batch: Batch) -> StepResult:
+        for c in batch.kv_copies:
+            for d, h in zip(c.device, c.host):
+                if c.kind == "store":
+                    self.host_tok[h], self.host_pos[h] = self.tok[d], self.pos[d]
+                else:
+                    self.tok[d], self.pos[d] = self.host_tok[h], self.host_pos[h]
+        return super().run(batch)
+
+
+@pytest.mark.parametrize("page", [1, 4])
+@pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
+def test_long_random_run_with_host_tier_gives_reference_outputs(policy: str, page: int) -> None:
+    rng = random.Random(f"{policy}/{page}")
+    pool, clock = 700, Clock()
+    cfg = SchedulerConfig(max_running_requests=8, max_prefill_tokens=400, new_token_ratio=0.05,
+                          min_new_token_ratio=0.05, new_token_ratio_decay=0.05)  # fmt: skip
+    cache = CacheConfig(max_total_tokens=pool, page_size=page, enable_hierarchical_cache=True,
+                        hicache_ratio=3.0, hicache_write_policy=policy)  # fmt: skip
+    sched = Scheduler(
+        cfg, cache, eos_token_ids=(7,), clock=clock, host_tokens=cache.host_tokens(None)
+    )
+    runner = TieredKVRunner(pool, sched.kv.host.total)
+    prefixes = [tokens(rng, n) for n in (60, 120, 200, 250)]
+    reqs: list[Req] = []
+    for step in range(1500):
+        if step < 700 and rng.random() < 0.3:
+            prompt = rng.choice(prefixes) + tokens(rng, rng.randrange(1, 60))
+            req = make_req(f"r{len(reqs)}", prompt, rng.randrange(1, 30),
+                           namespace=rng.choice([None, None, "lora"]))  # fmt: skip
+            sched.add_request(req)
+            reqs.append(req)
+        if reqs and rng.random() < 0.003:
+            sched.abort(rng.choice(reqs).rid)
+        batch = sched.step()
+        sched.check_integrity()
+        if batch is None:
+            if step >= 700:
+                break
+            continue
+        sched.on_output(batch, runner.run(batch))
+        sched.check_integrity()
+        clock.t += 0.005
+    assert all(r.is_finished() for r in reqs)
+    st = sched.stats()
+    assert st.host_cached_prompt_tokens > 500, st  # the host tier served real prefixes
+    for r in reqs:
+        ref = reference(r.input_ids, r.sampling.max_new_tokens, stop=(7,))
+        if r.state is ReqState.ABORTED:
+            assert r.output_ids == ref[: len(r.output_ids)], r.rid
+        else:
+            assert r.output_ids == ref, r.rid
+    assert sched.flush_cache() and sched.allocator.available() == sched.allocator.total
+    assert sched.kv.host.allocator.available() == sched.kv.host.total
+
+
+def test_hicache_flags_need_the_switch_and_a_larger_host() -> None:
+    with pytest.raises(ValueError, match="only with --enable-hierarchical-cache"):
+        CacheConfig(hicache_write_policy="write_back")
+    with pytest.raises(ValueError, match="must be > 1"):
+        CacheConfig(enable_hierarchical_cache=True, hicache_ratio=0.5)
+    with pytest.raises(ValueError, match="not more than the device pool"):
+        big = CacheConfig(enable_hierarchical_cache=True, hicache_size=1, max_total_tokens=10**6)
+        big.host_tokens(10_000)  # 1 GB holds 100k tokens of 10 kB: fewer than the device's 1M
+    on = CacheConfig(enable_hierarchical_cache=True, max_total_tokens=1000)
+    assert on.host_tokens(None) == 2000 and on.write_policy == "write_through"
+    sized = CacheConfig(enable_hierarchical_cache=True, hicache_size=2, max_total_tokens=1000)
+    assert sized.host_tokens(1_000_000) == 2000  # 2 GB at 1 MB a token
+    assert Scheduler(cache_config=CacheConfig()).kv.host is None
