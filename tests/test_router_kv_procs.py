@@ -77,6 +77,11 @@ def wait_for(cond, what: str, timeout: float = 20.0) -> None:
         time.sleep(0.05)
 
 
+def healthy(router: RouterProc, url: str) -> bool:
+    _, body = router.call("GET", "/workers")
+    return any(w["url"] == url and w["healthy"] for w in body["workers"])
+
+
 def blocks(router: RouterProc, url: str) -> float:
     return metrics(router).get(f"kv_index_blocks@{url}", -1)
 
@@ -138,6 +143,9 @@ def test_a_restarted_worker_loses_its_stale_entries(procs):
     # the router sees the PUB connection come back (or seq start over) and rebuilds the worker
     # from the new life's replay buffer: its blocks only, none of the old life's
     wait_for(lambda: blocks(router, again.url) == WORDS // 16, "only the new life's blocks")
+    # the health checks that failed while it was down keep the worker out of routing until one
+    # succeeds again: route only once the router counts the new life healthy
+    wait_for(lambda: healthy(router, again.url), "the router to see the new life healthy")
     hit, _ = expected_hit(router, prompt("old"))
     assert hit == 0
 
