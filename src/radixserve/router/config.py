@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from radixserve.router.policies import POLICIES, CachePolicyConfig
+from radixserve.router.worker_kinds import WORKER_TYPES, EventSource, parse_kv_events_flag
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +43,18 @@ class RouterConfig:
         (), "workers to route to at start (more can be added later)", metavar="URL"
     )
     policy: str = _f("cache_aware", "routing policy", choices=tuple(sorted(POLICIES)))
+    worker_type: str = _f(
+        "auto",
+        "what the --worker-urls run: radixserve, vllm or sglang (auto: recognised by their "
+        "endpoints); sets where KV events, load and flush are found",
+        choices=WORKER_TYPES,
+    )
+    worker_kv_events: tuple[str, ...] = _f(
+        (),
+        "a worker's KV-event publisher, overriding what it reports: URL=ENDPOINT[,REPLAY[,TOPIC]] "
+        "(a * host is the worker's host), e.g. http://h:8000=tcp://*:5557,tcp://*:5558,kv",
+        metavar="URL=ENDPOINT",
+    )
     host: str = _f("127.0.0.1", "address to listen on")
     port: int = _f(30000, "port to listen on")
     cache_threshold: float = _f(
@@ -198,6 +211,8 @@ class RouterConfig:
         self._check_kv_index()
         # argparse hands over a list; keep the frozen config hashable and immutable.
         object.__setattr__(self, "worker_urls", tuple(self.worker_urls))
+        object.__setattr__(self, "worker_kv_events", tuple(self.worker_kv_events))
+        self.kv_event_overrides()  # a malformed entry is a one-line error now
         self.policy_config()  # validates the policy's own ranges now, not at first request
 
     def _check_kv_index(self) -> None:
@@ -220,6 +235,10 @@ class RouterConfig:
             raise ValueError("kvs_retry_times, kvs_retry_interval_ms >= 0; kvs_timeout_ms > 0")
         if self.kvs_metadata_service_down_duration_s < 0:
             raise ValueError("kvs_metadata_service_down_duration_s must be >= 0")
+
+    def kv_event_overrides(self) -> dict[str, EventSource]:
+        """--worker-kv-events as {worker url: publisher}."""
+        return dict(parse_kv_events_flag(entry) for entry in self.worker_kv_events)
 
     def policy_config(self) -> CachePolicyConfig:
         return CachePolicyConfig.taken_from(self)

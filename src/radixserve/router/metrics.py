@@ -17,6 +17,8 @@ from prometheus_client.core import (
     SummaryMetricFamily,
 )
 
+from radixserve.router.worker_kinds import kind_families
+
 if TYPE_CHECKING:
     from radixserve.router.app import Router
 
@@ -61,6 +63,7 @@ class _Collector:
             yield from _kv_families(r.kv.metric_families(), {w.id: w.url for w in ws})
         if r.kvs is not None:
             yield from _kvs_families(r.kvs)
+        yield from kind_families(r.kinds, ws, r.kv.plane.subscribers if r.kv else {})
 
 
 def _histogram(counts: list[int], total: float) -> Metric:
