@@ -98,7 +98,7 @@ class VllmServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.lines: list[str] = []
         self.proc: subprocess.Popen[str] | None = None
-        self.started_in = 0.0
+        self.started_in = self._t0 = 0.0
 
     def command(self) -> list[str]:
         cmd = [
@@ -108,7 +108,7 @@ class VllmServer:
             "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
             "--max-num-seqs", "8", "--block-size", str(self.block_size),
             "--kv-cache-memory-bytes", str(self.kv_cache_bytes),
-            "--enable-prefix-caching", "--disable-log-stats",
+            "--enable-prefix-caching",  # (no --disable-log-stats: it also drops /metrics' vllm:*)
         ]  # fmt: skip
         if self.events:
             config = {"enable_kv_cache_events": True, "publisher": "zmq",
@@ -118,24 +118,34 @@ class VllmServer:
         return [*cmd, *self.extra]
 
     def start(self) -> VllmServer:
+        """Launch and wait until it serves."""
+        return self.launch().wait()
+
+    def launch(self) -> VllmServer:
+        """Start the process (several start at once: wait() for each after)."""
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(self.core),
                "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
                "VLLM_LOGGING_LEVEL": "INFO", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # fmt: skip
         env.pop("PYTHONPATH", None)  # the venv's own packages, not ours
-        t0 = time.monotonic()
+        self._t0 = time.monotonic()
         self.proc = subprocess.Popen(
             self.command(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             bufsize=1, env=env, start_new_session=True,
         )  # fmt: skip
         threading.Thread(target=self._read, daemon=True).start()
+        return self
+
+    def wait(self) -> VllmServer:
+        """Until /health answers 200 (RuntimeError with its log if it exits or times out)."""
+        assert self.proc is not None, "launch() first"
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"vLLM exited with {self.proc.returncode}:\n{self.output()}")
             try:
                 if self.get("/health")[0] == 200:
-                    self.started_in = time.monotonic() - t0
+                    self.started_in = time.monotonic() - self._t0
                     return self
             except OSError:
                 pass

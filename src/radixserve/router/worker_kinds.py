@@ -318,12 +318,15 @@ def detect_kind(answers: Mapping[str, Answer]) -> str | None:
         except ValueError:
             return None
 
-    if obj("/kv_event_sources") is not None:
-        return "vllm"
+    server_info = obj("/server_info")
+    if obj("/kv_event_sources") is not None or (
+        isinstance(server_info, dict) and "vllm_config" in server_info
+    ):
+        return "vllm"  # (vLLM in dev mode serves /server_info too: {"vllm_config": ...})
     info = obj("/get_model_info")
     if isinstance(info, dict) and "tokenizer_fingerprint" in info:
         return "radixserve"
-    if isinstance(obj("/server_info"), dict) or isinstance(info, dict):
+    if isinstance(server_info, dict) or isinstance(info, dict):
         return "sglang"  # /get_model_info without our fingerprint: an SGLang before /server_info
     version = obj("/version")
     if isinstance(version, dict) and "version" in version:
