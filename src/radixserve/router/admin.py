@@ -11,7 +11,7 @@ from urllib.parse import parse_qs, unquote
 from prometheus_client import generate_latest
 
 from radixserve.router.http import Request, error_body
-from radixserve.router.worker_kinds import FLUSH, KINDS, flush_failure, parse_kv_events
+from radixserve.router.worker_kinds import FLUSH, KINDS, flush_failure, http_get, parse_kv_events
 from radixserve.router.workers import DuplicateWorker, Response, fan_out, resolve
 
 try:  # 5x faster on long prompts; the stdlib parser is the fallback
@@ -114,6 +114,9 @@ class Endpoints:
         """Flush every worker's prefix cache, each the way its kind does (vLLM:
         /reset_prefix_cache), and forget what the router believed they held."""
         workers, headers = self.registry.workers, self._forward_headers(req)
+        auth = self._worker_auth()
+        await asyncio.gather(*(self.kinds.identify(w.id, w.url, http_get(w.pool.request, auth))
+                               for w in workers))  # fmt: skip
         calls = []
         for w in workers:
             method, path = FLUSH.get(self.kinds.state(w.id).kind or "", FLUSH["radixserve"])

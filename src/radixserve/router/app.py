@@ -146,8 +146,9 @@ class Router(Endpoints):
         its tokenizer and subscribe to its KV events; a worker that tokenizes differently is
         removed (False)."""
         get = http_get(worker.pool.request, self._worker_auth())
-        while await self.kinds.identify(worker.id, worker.url, get) is None and wait:
-            await asyncio.sleep(self.config.health_check_interval_secs or 2.0)
+        if self.kv is not None:  # otherwise recognised when first needed (a load read, a flush)
+            while await self.kinds.identify(worker.id, worker.url, get) is None and wait:
+                await asyncio.sleep(self.config.health_check_interval_secs or 2.0)
         if self.kv is None or not self.kv.subscribe:
             why = "on Redis: `radixserve kv-indexer` follows them" if self.kv else "policy "
             self.kinds.not_following(worker.id, worker.url, why if self.kv else
@@ -164,12 +165,12 @@ class Router(Endpoints):
     async def _read_load(self, worker: Worker) -> None:
         """After a good probe: the worker's own load report, by kind (vLLM's /metrics,
         SGLang's /v1/loads, ours /get_loads); its waiting prefill tokens go to the policy."""
-        kind = self.kinds.state(worker.id).kind
-        if kind is None or (kind == "radixserve" and self.kv is None):
-            return  # ours only matter to kv_aware's pending-prefill accounting
         get = http_get(
             worker.pool.request, self._worker_auth(), self.config.health_check_timeout_secs
         )
+        kind = await self.kinds.identify(worker.id, worker.url, get)
+        if kind is None or (kind == "radixserve" and self.kv is None):
+            return  # ours only matter to kv_aware's pending-prefill accounting
         load = await self.kinds.read_load(worker.id, worker.url, get)
         tokens = None if load is None else load.waiting_prefill_tokens
         at = self.kinds.state(worker.id).load_at

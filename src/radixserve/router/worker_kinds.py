@@ -318,9 +318,12 @@ def detect_kind(answers: Mapping[str, Answer]) -> str | None:
         except ValueError:
             return None
 
-    server_info = obj("/server_info")
-    if obj("/kv_event_sources") is not None or (
-        isinstance(server_info, dict) and "vllm_config" in server_info
+    server_info, sources = obj("/server_info"), obj("/kv_event_sources")
+    by_rank = isinstance(sources, dict) and all(isinstance(v, dict) for v in sources.values())
+    if (
+        by_rank
+        or isinstance(sources, list)
+        or (isinstance(server_info, dict) and "vllm_config" in server_info)
     ):
         return "vllm"  # (vLLM in dev mode serves /server_info too: {"vllm_config": ...})
     info = obj("/get_model_info")
