@@ -6,13 +6,14 @@ ZeroMQ; skipped, saying why, without the vLLM venv (RADIXSERVE_VLLM_PYTHON; see 
 
 from __future__ import annotations
 
+import http.client
 import json
+import re
 import time
 
 import pytest
 
 from test_router_fleet import RouterProc
-from test_router_kv_procs import metrics
 from vllm_harness import VllmServer, vllm_model_dir, vllm_python
 
 pytest.importorskip("httptools")
@@ -62,6 +63,21 @@ def wait_for(check, what: str, timeout: float = 60.0):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def metrics(r: RouterProc) -> dict[str, float]:
+    """The router's /metrics as {"name@worker url": value} (other labels dropped)."""
+    conn = http.client.HTTPConnection(r.addr, timeout=10)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    out = {}
+    for line in text.splitlines():
+        if m := re.match(r"radixserve_router_(\w+)(\{.*\})? (\S+)$", line):
+            name, labels, value = m.groups()
+            worker = re.search(r'worker="([^"]*)"', labels or "")
+            out[f"{name}@{worker.group(1)}" if worker else name] = float(value)
+    return out
+
+
 def workers(r: RouterProc) -> dict[str, dict]:
     return {w["url"]: w for w in r.call("GET", "/workers")[1]["workers"]}
 
@@ -108,19 +124,26 @@ def test_discovery_events_routing_loads_and_flush(vllm_pair, router):
     hits = holder.metrics()["vllm:prefix_cache_hits_total"] - hits_before[first]
     assert hits >= 3 * 8 * BLOCK  # vLLM itself found the prefix each time
 
-    # loads read from vLLM's /metrics, shown per worker
-    w = wait_for(lambda: workers(r)[first].get("reported_load", {}).get("prefix_queries"),
-                 "a load report") and workers(r)[first]  # fmt: skip
-    load = w["reported_load"]
+    # loads read from vLLM's /metrics, shown per worker (read after each health probe)
+    total = holder.metrics()["vllm:prefix_cache_hits_total"]
+    wait_for(lambda: workers(r)[first].get("reported_load", {}).get("prefix_hits", 0) >= total,
+             "a load report with the hits")  # fmt: skip
+    load = workers(r)[first]["reported_load"]
     assert load["running"] == 0 and load["waiting"] == 0 and 0 <= load["kv_usage"] <= 1
-    assert load["prefix_hits"] >= hits
-    assert metrics(r)[f"worker_kv_events_last_seq@{first}"] >= 0
+    assert load["prefix_queries"] >= load["prefix_hits"]
+    m = metrics(r)
+    assert m[f"worker_reported_prefix_hits@{first}"] == load["prefix_hits"]
+    assert m[f"worker_kv_events_last_seq@{first}"] >= 0
 
-    # flush: through /reset_prefix_cache; vLLM's AllBlocksCleared empties the index
+    # flush: through /reset_prefix_cache; vLLM's cache is empty after it, so is the index
     status, reply = r.call("POST", "/flush_cache")
     assert status == 200, reply
     wait_for(lambda: all(metrics(r).get(f"kv_index_blocks@{s.url}", 0) == 0 for s in vllm_pair),
-             "the index emptied by vLLM's own events")  # fmt: skip
+             "the index emptied")  # fmt: skip
+    before = holder.metrics()["vllm:prefix_cache_hits_total"]
+    status, _ = holder.request("POST", "/v1/completions",
+                               {"model": "smollm2", "prompt": doc, "max_tokens": 1})  # fmt: skip
+    assert status == 200 and holder.metrics()["vllm:prefix_cache_hits_total"] == before
 
 
 def test_publishers_given_by_hand_are_followed(vllm_pair, router, caplog):

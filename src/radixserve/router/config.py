@@ -211,6 +211,8 @@ class RouterConfig:
         self._check_kv_index()
         # argparse hands over a list; keep the frozen config hashable and immutable.
         object.__setattr__(self, "worker_urls", tuple(self.worker_urls))
+        if self.worker_type not in WORKER_TYPES:
+            raise ValueError(f"--worker-type must be one of {', '.join(WORKER_TYPES)}")
         object.__setattr__(self, "worker_kv_events", tuple(self.worker_kv_events))
         self.kv_event_overrides()  # a malformed entry is a one-line error now
         self.policy_config()  # validates the policy's own ranges now, not at first request
