@@ -337,6 +337,7 @@ def detect_kind(answers: Mapping[str, Answer]) -> str | None:
     return None
 
 
+UNKNOWN_RETRY_SECS = 30.0
 DETECT_PATHS = ("/kv_event_sources", "/get_model_info", "/server_info", "/version")
 
 FLUSH = {
@@ -369,6 +370,7 @@ class KindState:
     events_why: str = "not looked up yet"  # why its events are not followed ("" if they are)
     load: WorkerLoad | None = None
     load_at: float = float("-inf")
+    unknown_until: float = float("-inf")  # answered, but as no kind known: ask again after
     said: set[str] = field(default_factory=set)
 
 
@@ -413,7 +415,7 @@ class WorkerKinds:
     async def identify(self, worker_id: str, url: str, get: Get) -> str | None:
         """The worker's kind, detected on first success (None while it answers nothing)."""
         state = self.state(worker_id)
-        if state.kind is not None:
+        if state.kind is not None or time.monotonic() < state.unknown_until:
             return state.kind
         paths = DETECT_PATHS
         answers = dict(zip(paths, await asyncio.gather(*(get(p) for p in paths))))
@@ -421,6 +423,7 @@ class WorkerKinds:
         if state.kind is not None:
             self.say(worker_id, url, f"recognised as a {state.kind} worker", logging.INFO)
         elif any(a is not None for a in answers.values()):
+            state.unknown_until = time.monotonic() + UNKNOWN_RETRY_SECS  # not at every probe
             self.say(worker_id, url, "answers none of " + ", ".join(paths) + ": kind unknown "
                      "(give --worker-type or \"type\"); its load and KV events are not read")  # fmt: skip
         return state.kind
