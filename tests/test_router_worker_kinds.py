@@ -256,3 +256,40 @@ def test_a_vllm_worker_without_dev_mode_or_events_is_explained():
     finally:
         r.stop()
         server.shutdown()
+
+
+def _server(answers: dict[str, object]):
+    async def get(path: str) -> tuple[int, bytes]:
+        body = answers.get(path)
+        return (404, b"{}") if body is None else (200, json.dumps(body).encode())
+
+    return get
+
+
+def test_an_sglang_worker_is_followed_where_its_server_info_says(tmp_path):
+    get = _server({"/server_info": {"kv_events": SGLANG_KV_EVENTS, "version": "0.5.23"},
+                   "/model_info": {"model_path": "m", "tokenizer_path": str(tmp_path)}})  # fmt: skip
+    kinds = WorkerKinds()
+    kinds.register("w1", "http://10.1.2.3:30000")
+    src = asyncio.run(kinds.event_source("w1", "http://10.1.2.3:30000", get))
+    assert src == EventSource("tcp://10.1.2.3:5557", "tcp://10.1.2.3:5558", "kv")
+    assert kinds.info("w1")["type"] == "sglang"
+    info = asyncio.run(kinds.model_info("w1", "http://10.1.2.3:30000", get))
+    assert info == {"tokenizer_path": str(tmp_path)}
+
+
+def test_a_vllm_model_path_not_on_this_host_asks_for_tokenizer_once(tmp_path, caplog):
+    remote = {**VLLM_MODELS, "data": [{**VLLM_MODELS["data"][0], "root": "/nowhere/model"}]}
+    get = _server({"/kv_event_sources": VLLM_SOURCES, "/v1/models": remote})
+    kinds = WorkerKinds()
+    kinds.register("w1", "http://127.0.0.1:8000")
+    with caplog.at_level("WARNING", logger="radixserve.router"):
+        for _ in range(2):
+            assert asyncio.run(kinds.model_info("w1", "http://127.0.0.1:8000", get)) is None
+    said = [r.getMessage() for r in caplog.records if "--tokenizer" in r.getMessage()]
+    assert len(said) == 1 and "/nowhere/model" in said[0]
+    local = {**VLLM_MODELS, "data": [{**VLLM_MODELS["data"][0], "root": str(tmp_path)}]}
+    get = _server({"/kv_event_sources": VLLM_SOURCES, "/v1/models": local})
+    assert asyncio.run(kinds.model_info("w1", "http://127.0.0.1:8000", get)) == {
+        "tokenizer_path": str(tmp_path)
+    }
