@@ -440,6 +440,8 @@ class WorkerKinds:
             return None
         path = {"vllm": "/kv_event_sources", "sglang": "/server_info"}.get(kind, "/get_server_info")
         answer = await get(path)
+        if kind == "sglang" and answer is not None and answer[0] == 404:
+            path, answer = "/get_server_info", await get("/get_server_info")  # before /server_info
         if answer is None:
             return None
         status, body = answer
@@ -454,7 +456,7 @@ class WorkerKinds:
         sources = parse.get(kind, radixserve_event_sources)(obj)
         if not sources:
             hint = {"vllm": "start vLLM with --kv-events-config (publisher zmq)",
-                    "sglang": "start SGLang with --kv-events-config"}.get(kind, "start it with kv events on")  # fmt: skip
+                    "sglang": "start SGLang with --kv-events-config"}.get(kind, "start it with --kv-events-config")  # fmt: skip
             return self._none(worker_id, url, f"publishes no KV events ({path}): {hint}")
         if len(sources) > 1:
             self.say(worker_id, url, f"{len(sources)} KV-event publishers (data-parallel "
