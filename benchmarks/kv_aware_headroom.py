@@ -20,7 +20,7 @@ only in this process (they are not router policies a user can pick):
   cache_aware+upgrade   cache_aware, except that when the precise index says an eligible worker
                         holds at least a quarter of the prompt more than cache_aware's pick, the
                         request goes there: the guess corrected by the truth.
-  kv_aware-placement    kv_aware without its placement while evicting (router/kv_aware.py): a
+  kv_aware-placement    kv_aware without its placement while evicting (router/policies/kv_aware.py): a
                         request every eligible worker holds equally goes where the score sends
                         it (the least queued worker), evicting or not.
   kv_aware+held         kv_aware with that placement at every size, evicting or not: such a
@@ -46,16 +46,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _machine import machine_line  # noqa: E402
 from kv_aware_sweep import PRESET, requests  # noqa: E402
 from radixserve.config import CacheConfig  # noqa: E402
-from radixserve.router.index import InMemoryIndex, PrefixIndex, keys_by_size  # noqa: E402
-from radixserve.router.kv_aware import KvAwarePolicy, prompt_size  # noqa: E402
-from radixserve.router.policies import (  # noqa: E402
-    CacheAwarePolicy,
-    RequestView,
-    RouterPolicy,
-    WorkerView,
-    healthy_indices,
-    register,
-)
+from radixserve.router.kvindex.block_index import BlockIndex, InMemoryIndex, keys_by_size  # noqa: E402
+from radixserve.router.policies.base import RequestView, RouterPolicy, WorkerView, healthy_indices  # noqa: E402
+from radixserve.router.policies.cache_aware import CacheAwarePolicy  # noqa: E402
+from radixserve.router.policies.kv_aware import KvAwarePolicy, prompt_size  # noqa: E402
+from radixserve.router.policies.registry import register  # noqa: E402
 from radixserve.sim.cluster import ClusterConfig, ClusterSim  # noqa: E402
 from radixserve.sim.costmodel import get_cost_model  # noqa: E402
 from radixserve.sim.report import max_over_mean, percentile  # noqa: E402
@@ -65,7 +60,7 @@ SAMPLE_EVERY = 16
 
 
 def held_now(
-    index: PrefixIndex, workers: Sequence[WorkerView], request: RequestView
+    index: BlockIndex, workers: Sequence[WorkerView], request: RequestView
 ) -> dict[Hashable, int]:
     """Leading prompt tokens each worker holds, from the precise index."""
     if not request.token_ids:
@@ -99,13 +94,13 @@ class Recorder:
 
 
 def probed(base: type[RouterPolicy], name: str) -> type[RouterPolicy]:
-    """`base`, with a precise index beside it (the simulator feeds any policy's PrefixIndex)
+    """`base`, with a precise index beside it (the simulator feeds any policy's BlockIndex)
     and every decision recorded against it."""
 
     class Probed(base):  # type: ignore[valid-type, misc]
         def __init__(self, *args: object, **kwargs: object) -> None:
             super().__init__(*args, **kwargs)
-            if not isinstance(getattr(self, "index", None), PrefixIndex):
+            if not isinstance(getattr(self, "index", None), BlockIndex):
                 self.index = InMemoryIndex()
             self.recorder = Recorder()
 
@@ -124,7 +119,7 @@ def probed(base: type[RouterPolicy], name: str) -> type[RouterPolicy]:
 class CacheAwareUpgrade(CacheAwarePolicy):
     """cache_aware corrected by the truth: see the module docstring."""
 
-    index: PrefixIndex
+    index: BlockIndex
 
     def select(self, workers: Sequence[WorkerView], request: RequestView, now: float) -> int:
         pick = super().select(workers, request, now)

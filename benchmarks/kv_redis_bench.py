@@ -36,13 +36,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from _machine import machine_line
-from radixserve.router.event_format import BlockRemoved, BlockStored
-from radixserve.router.index import InMemoryIndex
-from radixserve.router.kv_aware import KvAwarePolicy
-from radixserve.router.kvs_reader import KvsConfig, RedisIndexReader
-from radixserve.router.kvs_writer import RedisIndexWriter
-from radixserve.router.policies import CacheAwarePolicy, RequestView, WorkerView
-from radixserve.router.redis_index import RedisIndexStore
+from radixserve.router.kvindex.block_index import InMemoryIndex
+from radixserve.router.kvindex.event_format import BlockRemoved, BlockStored
+from radixserve.router.kvindex.redis_reader import KvsConfig, RedisIndexReader
+from radixserve.router.kvindex.redis_store import RedisIndexStore
+from radixserve.router.kvindex.redis_writer import RedisIndexWriter
+from radixserve.router.policies.base import WorkerView
+from radixserve.router.policies.cache_aware import CacheAwarePolicy
+from radixserve.router.policies.kv_aware import KvAwarePolicy
+from radixserve.router.proxy.request_body import request_view
 from redis_harness import RedisServer
 from router_bench import cpu_secs, drive, free_port, run, start_workers, wait_ready
 
@@ -106,7 +108,7 @@ async def decisions(redis_url: str, length: int, n: int) -> tuple[dict[str, list
     for i, body in enumerate(bodies):  # interleaved: a neighbour's burst hits all alike
         for name, policy in targets.items():
             t0 = time.perf_counter()
-            view = RequestView.from_payload(json.loads(body))
+            view = request_view(json.loads(body))
             if name == "kv_aware redis":
                 await reader.prepare(view.token_ids, view.kv_namespace)
             pick = policy.select(views, view, float(i))

@@ -33,17 +33,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import msgpack  # noqa: E402
 
 from _machine import machine_line  # noqa: E402
-from radixserve.router.event_format import BlockStored, parse_payload  # noqa: E402
-from radixserve.router.index import InMemoryIndex, block_keys  # noqa: E402
-from radixserve.router.kv_aware import KvAwarePolicy  # noqa: E402
-from radixserve.router.kv_routing import load_tokenizer, prompt_ids  # noqa: E402
-from radixserve.router.policies import (  # noqa: E402
-    CachePolicyConfig,
-    RequestView,
-    WorkerView,
-    create_policy,
-)
-from radixserve.router.workers import ConnectionPool  # noqa: E402
+from radixserve.router.kvindex.block_index import InMemoryIndex, block_keys  # noqa: E402
+from radixserve.router.kvindex.event_format import BlockStored, parse_payload  # noqa: E402
+from radixserve.router.policies.base import WorkerView  # noqa: E402
+from radixserve.router.policies.config import CachePolicyConfig  # noqa: E402
+from radixserve.router.policies.kv_aware import KvAwarePolicy  # noqa: E402
+from radixserve.router.policies.registry import create_policy  # noqa: E402
+from radixserve.router.proxy.kv_setup import load_tokenizer, prompt_ids  # noqa: E402
+from radixserve.router.proxy.request_body import request_view  # noqa: E402
+from radixserve.router.proxy.workers import ConnectionPool  # noqa: E402
 from router_bench import cpu_secs, free_port, wait_ready  # noqa: E402
 
 WORKERS = [WorkerView(f"w{i}") for i in range(8)]
@@ -73,7 +71,7 @@ def decision_cost(chars: int, n: int, tok) -> dict[str, float]:
     cache, kv = create_policy("cache_aware", NO_EVICTION), KvAwarePolicy(NO_EVICTION)
     for i, p in enumerate(warm):  # both policies learn the same placements
         w = WORKERS[i % len(WORKERS)].id
-        cache.on_dispatch(w, RequestView.from_payload({"text": p}), 0.0)
+        cache.on_dispatch(w, request_view({"text": p}), 0.0)
         ids = prompt_ids({"text": p}, tok)
         whole = len(ids) - len(ids) % BS
         hashes = tuple(range(i << 20, (i << 20) + whole // BS))
@@ -82,9 +80,9 @@ def decision_cost(chars: int, n: int, tok) -> dict[str, float]:
     for p in timed:
         payload = {"text": p}
         t0 = time.perf_counter()
-        cache.select(WORKERS, RequestView.from_payload(payload), 1.0)
+        cache.select(WORKERS, request_view(payload), 1.0)
         t1 = time.perf_counter()
-        view = RequestView.from_payload(payload)
+        view = request_view(payload)
         ids = prompt_ids(payload, tok)
         t2 = time.perf_counter()
         block_keys(ids, BS)

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from _machine import machine_line
-from radixserve.router.workers import ConnectionPool
+from radixserve.router.proxy.workers import ConnectionPool
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKE_WORKER = ROOT / "tests" / "fake_worker.py"

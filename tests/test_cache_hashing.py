@@ -10,7 +10,7 @@ import cbor2
 import pytest
 import xxhash
 
-from radixserve.cache.hashing import ALGORITHMS, block_hashes
+from radixserve.cache.hashing import ALGORITHMS, KVNamespace, block_hashes, page_keys
 
 TOKENS = list(range(1000, 1040))
 
@@ -56,3 +56,55 @@ def test_bad_arguments() -> None:
         block_hashes(TOKENS, 16, "md5")
     with pytest.raises(ValueError, match="block_size"):
         block_hashes(TOKENS, 0)
+
+
+# -- lower-tier keys -------------------------------------------------------------------------------
+def _ns(**kw: object) -> KVNamespace:
+    base = dict(model="SmolLM2-135M", dtype="bfloat16", num_layers=30, num_kv_heads=3,
+                head_dim=64, page_size=16)  # fmt: skip
+    return KVNamespace(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def test_llumnix_algorithm_names_are_the_same_hashes() -> None:
+    assert block_hashes(TOKENS, 8, "sha256_hex") == block_hashes(TOKENS, 8, "sha256")
+    assert block_hashes(TOKENS, 8, "xxhash", seed=3) == block_hashes(TOKENS, 8, "xxhash64", seed=3)
+
+
+@pytest.mark.parametrize("algo", ["sha256_cbor", "sha256_hex", "xxhash"])
+def test_page_keys_chain_per_chunk_under_the_namespace(algo: str) -> None:
+    keys = page_keys(TOKENS, _ns(), 16, algo, seed=1)
+    assert len(keys) == 2 and len(set(keys)) == 2
+    prefix = _ns().digest()
+    assert all(k.startswith(prefix + "_") for k in keys) and prefix.startswith("rkv1-")
+    assert page_keys(TOKENS[:32] + [5] * 8, _ns(), 16, algo, seed=1) == keys  # a prefix property
+    assert page_keys(TOKENS, _ns(), 16, algo, seed=2) != keys  # the seed counts
+    assert len(page_keys(TOKENS, _ns(), 32, algo)) == 1
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(model="other"),
+        dict(dtype="float16"),
+        dict(num_layers=29),
+        dict(num_kv_heads=6),
+        dict(head_dim=128),
+        dict(page_size=32),
+        dict(layout="token,layer,kv,head,dim"),
+        dict(byteorder="big"),
+    ],  # fmt: skip
+)
+def test_anything_that_changes_the_bytes_changes_every_key(change: dict) -> None:
+    theirs = _ns(**change)
+    assert theirs.digest() != _ns().digest()
+    mine = set(page_keys(TOKENS, _ns(), 32))
+    assert mine.isdisjoint(page_keys(TOKENS, theirs, 32))
+
+
+def test_page_keys_refuse_chunks_that_are_not_whole_pages() -> None:
+    with pytest.raises(ValueError, match="multiple of the page size"):
+        page_keys(TOKENS, _ns(), 24)
+    with pytest.raises(ValueError, match="model identity"):
+        _ns(model="")
+    with pytest.raises(ValueError, match="num_layers"):
+        _ns(num_layers=0)

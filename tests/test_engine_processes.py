@@ -58,17 +58,36 @@ def test_batched_equals_alone_and_repeats_hit_the_cache(engine):
         assert len(engine.tokenizer.encode(o["text"], add_special_tokens=False)) > 0
 
 
-def test_streaming_deltas_add_up_to_the_whole(engine):
+def test_a_stream_grows_to_the_whole_as_sglang_engines_do(engine):
+    """async_generate(stream=True) and generate(stream=True) take sglang.Engine's `stream` and
+    yield the whole result so far; awaited without it, async_generate is the result."""
     whole = engine.generate(PROMPTS[2], GREEDY)
 
     async def stream():
-        return [c async for c in engine.async_generate(PROMPTS[2], GREEDY)]
+        return [c async for c in await engine.async_generate(PROMPTS[2], GREEDY, stream=True)]
 
-    chunks = asyncio.run(stream())
-    assert len(chunks) == 12
-    assert "".join(c["text"] for c in chunks) == whole["text"]
-    assert [t for c in chunks for t in c["output_ids"]] == whole["output_ids"]
-    assert chunks[-1]["meta_info"]["finish_reason"] == "length"
+    for chunks in (asyncio.run(stream()), list(engine.generate(PROMPTS[2], GREEDY, stream=True))):
+        assert len(chunks) == 12
+        assert [len(c["output_ids"]) for c in chunks] == list(range(1, 13))
+        assert all(whole["text"].startswith(c["text"]) for c in chunks)
+        assert chunks[-1]["text"] == whole["text"]
+        assert chunks[-1]["output_ids"] == whole["output_ids"]
+        assert chunks[-1]["meta_info"]["finish_reason"] == "length"
+        assert chunks[0]["meta_info"]["finish_reason"] is None
+    awaited = asyncio.run(engine.async_generate(PROMPTS[2], GREEDY))
+    assert awaited["output_ids"] == whole["output_ids"] and awaited["text"] == whole["text"]
+    both = asyncio.run(engine.async_generate(PROMPTS[:2], GREEDY))
+    assert [o["output_ids"] for o in both] == [
+        o["output_ids"] for o in engine.generate(PROMPTS[:2], GREEDY)
+    ]
+    with pytest.raises(ValueError, match="stream=True takes one prompt"):
+        engine.generate(PROMPTS[:2], GREEDY, stream=True)
+
+
+def test_a_negative_max_new_tokens_names_the_real_bound(engine):
+    with pytest.raises(ValueError, match=r"max_new_tokens must be >= 0 \(0: prefill"):
+        engine.generate(PROMPTS[0], {"max_new_tokens": -1})
+    assert engine.generate(PROMPTS[0], {"max_new_tokens": 0})["output_ids"] == []
 
 
 def test_stop_string_ends_the_text_before_it(engine):
@@ -84,7 +103,8 @@ def test_stop_string_ends_the_text_before_it(engine):
 def test_a_consumer_that_leaves_early_frees_its_kv(engine):
     async def leave_after_two():
         n = 0
-        async for _ in engine.async_generate(PROMPTS[1], {**GREEDY, "max_new_tokens": 80}):
+        sp = {**GREEDY, "max_new_tokens": 80}
+        async for _ in await engine.async_generate(PROMPTS[1], sp, stream=True):
             n += 1
             if n == 2:
                 break
@@ -127,7 +147,8 @@ def test_dead_scheduler_fails_callers_and_shutdown_leaves_no_process(model_dir):
     sched = next(p for p in eng.procs.procs if "scheduler" in p.name)
 
     async def long_request():
-        return [c async for c in eng.async_generate(PROMPTS[0], {**GREEDY, "max_new_tokens": 80})]
+        sp = {**GREEDY, "max_new_tokens": 80}
+        return [c async for c in await eng.async_generate(PROMPTS[0], sp, stream=True)]
 
     started = time.monotonic()
     os.kill(sched.pid, signal.SIGKILL)

@@ -48,12 +48,16 @@ def test_engine_async_generate_streams_logprobs(engine):
     sp = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True, "return_logprob": True}
 
     async def chunks() -> list[dict]:
-        return [c async for c in engine.async_generate("the quick brown fox", sp)]
+        return [
+            c async for c in await engine.async_generate("the quick brown fox", sp, stream=True)
+        ]
 
     streamed = asyncio.run(chunks())
     whole = engine.generate("the quick brown fox", sp)["meta_info"]["output_token_logprobs"]
-    got = [t for c in streamed for t in c["meta_info"]["output_token_logprobs"]]
-    assert [t[1] for t in got] == [t[1] for t in whole]
+    # each chunk carries the logprobs of every token so far, as its text and output_ids
+    assert [len(c["meta_info"]["output_token_logprobs"]) for c in streamed] == [1, 2, 3, 4, 5]
+    got = streamed[-1]["meta_info"]["output_token_logprobs"]
+    assert [t[1] for t in got] == [t[1] for t in whole] == streamed[-1]["output_ids"]
     assert all(abs(a[0] - b[0]) < 1e-4 for a, b in zip(got, whole))
 
 

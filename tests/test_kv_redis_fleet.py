@@ -18,9 +18,9 @@ import pytest
 pytest.importorskip("httptools")
 redis = pytest.importorskip("redis")
 
-from radixserve.router.index import chain_keys  # noqa: E402
-from radixserve.router.redis_index import block_id  # noqa: E402
-from radixserve.router.workers import ConnectionPool  # noqa: E402
+from radixserve.router.kvindex.block_index import chain_keys  # noqa: E402
+from radixserve.router.kvindex.redis_store import block_id  # noqa: E402
+from radixserve.router.proxy.workers import ConnectionPool  # noqa: E402
 from redis_harness import RedisServer  # noqa: E402
 from test_router_fleet import Proc, RouterProc, WorkerProc  # noqa: E402
 
@@ -200,15 +200,40 @@ def test_redis_killed_under_load_falls_back_then_returns_to_precise(fleet):
     wait_for(lambda: len(load.statuses) >= n + 10, what="requests served while Redis is down")
     assert metric(proc, "kvs_fallback_decisions_total") > 0
     fleet["redis"].start()  # empty: the indexer rewrites it from its own view
-    p = prompt(21)
+    p = prompt(21, 40 * BLOCK)  # long: the last check's pick holds >= 95%, never spilled
     generate(w2, p)
     wait_for(lambda: w2 in redis_holders(fleet, p), what="new events in the new Redis")
     wait_for(lambda: w2 in redis_holders(fleet, p0), what="the index rewritten into Redis")
     lookups = metric(proc, "kvs_lookups_total")  # tried again after the 1 s down duration:
     wait_for(lambda: metric(proc, "kvs_lookups_total") > lookups + 5, what="lookups again")
     assert set(load.finish()) == {200}
-    assert routed_to(proc, p + prompt(22, BLOCK)) == w2  # precise again: only Redis knows p
+    assert routed_to(proc, p + prompt(22, 1)) == w2  # precise again: only Redis knows p
     assert metric(proc, "kvs_up") == 1
+
+
+def test_redis_killed_the_fallback_sends_each_prefix_group_to_its_holder(fleet):
+    """Issue 25: the approximate tree is kept from the router's dispatches while Redis serves,
+    so when Redis dies the first request of each prefix group still goes to the worker that
+    holds it (a cold tree sent about half of them to a worker without it)."""
+    proc, w2 = router(fleet, *GATE), fleet["workers"][1].url
+    seen = prompt(590)
+    generate(w2, seen)  # only Redis can tell the router where this prompt is
+    wait_for(lambda: w2 in redis_holders(fleet, seen), what="the prompt in Redis")
+    suffix = iter(range(20_000, 30_000))
+    wait_for(lambda: routed_to(proc, seen + [next(suffix)]) == w2, what="precise from Redis")
+    groups = [prompt(600 + g) for g in range(8)]
+    holders = [routed_to(proc, ids + prompt(700 + g, BLOCK)) for g, ids in enumerate(groups)]
+    assert set(holders) == {w.url for w in fleet["workers"]}  # spread: a wrong pick can show
+    for ids, holder in zip(groups, holders):
+        wait_for(lambda i=ids, h=holder: h in redis_holders(fleet, i), what=f"{holder} in Redis")
+    fallbacks = metric(proc, "kvs_fallback_decisions_total")
+    fleet["redis"].kill()
+    try:
+        after = [routed_to(proc, ids + prompt(800 + g, BLOCK)) for g, ids in enumerate(groups)]
+        assert metric(proc, "kvs_fallback_decisions_total") == fallbacks + len(groups)
+    finally:
+        fleet["redis"].start()  # empty: the indexer rewrites it for the tests that follow
+    assert after == holders
 
 
 def index_matches_snapshots(fleet) -> bool:
@@ -302,3 +327,24 @@ def test_workers_added_removed_and_killed_leave_redis(fleet):
         assert other.url not in redis_holders(fleet, prompt(32))
     finally:
         client.close()
+
+
+def test_indexer_admin_api_answers_health_metrics_and_errors(fleet):
+    """The kv-indexer's admin API (the router's own HTTP code and prometheus-client): health,
+    one Prometheus family per metric with a sample per followed worker, clear 404/405."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    indexer = fleet["indexer"]
+    status, body = indexer.call("GET", "/health")
+    assert status == 200 and body["redis"] is True and body["workers"] >= 2
+    with urllib.request.urlopen(indexer.url + "/metrics", timeout=10) as resp:
+        assert resp.headers["Content-Type"].startswith("text/plain")
+        families = list(text_string_to_metric_families(resp.read().decode()))
+    names = [f.name for f in families]
+    assert len(names) == len(set(names))  # one family per name (a scraper refuses duplicates)
+    by_name = {f.name: f for f in families}
+    workers = {s.labels["worker"] for s in by_name["radixserve_kv_indexer_blocks"].samples}
+    assert {w.url for w in fleet["workers"]} <= workers
+    assert by_name["radixserve_kv_indexer_redis_up"].samples[0].value == 1
+    assert indexer.call("GET", "/nowhere")[0] == 404
+    assert indexer.call("DELETE", "/health")[0] == 405

@@ -9,7 +9,7 @@ import pytest
 
 redis_asyncio = pytest.importorskip("redis.asyncio")
 
-from radixserve.router.redis_index import BlockDiff, RedisIndexStore, block_id  # noqa: E402
+from radixserve.router.kvindex.redis_store import BlockDiff, RedisIndexStore, block_id  # noqa: E402
 from redis_harness import RedisServer  # noqa: E402
 
 

@@ -11,10 +11,10 @@ import pytest
 
 redis_asyncio = pytest.importorskip("redis.asyncio")
 
-from radixserve.router.event_format import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
-from radixserve.router.index import InMemoryIndex, block_keys  # noqa: E402
-from radixserve.router.kvs_writer import RedisIndexWriter  # noqa: E402
-from radixserve.router.redis_index import RedisIndexStore, block_id, key_blob  # noqa: E402
+from radixserve.router.kvindex.block_index import InMemoryIndex, block_keys  # noqa: E402
+from radixserve.router.kvindex.event_format import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
+from radixserve.router.kvindex.redis_store import RedisIndexStore, block_id, key_blob  # noqa: E402
+from radixserve.router.kvindex.redis_writer import RedisIndexWriter  # noqa: E402
 from redis_harness import RedisServer  # noqa: E402
 
 BS = 4
@@ -157,8 +157,8 @@ def test_redis_restarted_empty_is_rewritten_from_the_mirror(redis_server):
 
 
 def test_a_router_reads_the_index_under_the_indexers_prefix(redis_server):
-    from radixserve.router.config import RouterConfig
-    from radixserve.router.kvs_reader import open_kv_index
+    from radixserve.router.proxy.config import RouterConfig
+    from radixserve.router.proxy.kv_setup import open_kv_index
 
     toks = [5, 6, 7, 8] * 2
 
@@ -191,7 +191,7 @@ def test_a_router_reads_the_index_under_the_indexers_prefix(redis_server):
 
 
 def test_redis_only_flags_are_refused_with_the_memory_index():
-    from radixserve.router.config import RouterConfig
+    from radixserve.router.proxy.config import RouterConfig
 
     with pytest.raises(ValueError, match="--redis-prefix"):
         RouterConfig(worker_urls=("http://a",), policy="kv_aware", redis_prefix="x")

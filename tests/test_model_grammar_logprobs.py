@@ -156,5 +156,7 @@ def test_logprobs_equal_transformers_on_the_real_smollm2():
         assert abs(value - ref[p - 1, token].item()) < 1e-4
     token, value, top = lp.sampled
     assert runner.info.decode([token]) == " Madrid" and abs(value - ref[-1, token].item()) < 1e-4
-    assert [t for t, _ in top] == ref[-1].topk(5).indices.tolist()
+    # the 5 best within the tolerance: a near tie may order two tokens the other way
+    best = ref[-1].topk(5).values.tolist()
+    assert all(abs(v - b) < 1e-4 for (_, v), b in zip(top, best))
     assert all(abs(v - ref[-1, t].item()) < 1e-4 for t, v in top)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -60,6 +62,83 @@ def test_gguf_conversion_is_cached(tiny_pair, tmp_path):
     stamp = (first / "model.safetensors").stat().st_mtime_ns
     assert loader.resolve_model_dir(config) == first
     assert (first / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_copies_of_one_gguf_share_one_cache_entry(tiny_pair, tmp_path):
+    """The cache is keyed by the GGUF's content: a copy elsewhere (another venv's) and a later
+    start reuse the first conversion, whatever the file is called."""
+    _, gguf_path = tiny_pair
+    cache = tmp_path / "cache"
+    copy = tmp_path / "venv2" / "site-packages" / "renamed.gguf"
+    copy.parent.mkdir(parents=True)
+    shutil.copyfile(gguf_path, copy)
+    first = loader.resolve_model_dir(
+        ModelConfig(model=str(gguf_path), weights_cache_dir=str(cache))
+    )
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    second = loader.resolve_model_dir(ModelConfig(model=str(copy), weights_cache_dir=str(cache)))
+    assert second == first and (first / "model.safetensors").stat().st_mtime_ns == stamp
+    assert [p.name for p in cache.iterdir() if p.name.startswith("gguf-")] == [first.name]
+    assert not [p for p in cache.iterdir() if p.name.startswith(".convert-")]  # no temp left
+
+
+def test_a_first_conversion_prints_its_progress(tiny_pair, tmp_path, capfd):
+    from radixserve.modelfiles.gguf_loader import gguf_to_hf_dir
+
+    _, gguf_path = tiny_pair
+    gguf_to_hf_dir(gguf_path, tmp_path)
+    err = capfd.readouterr().err.splitlines()
+    layers = json.loads((next(tmp_path.glob("gguf-*")) / "config.json").read_text())
+    n = layers["num_hidden_layers"]
+    assert err[0].startswith(f"radixserve: converting {gguf_path.name} once into ")
+    assert [f"radixserve: converting {gguf_path.name}: layer {i}/{n}" for i in range(1, n + 1)] == [
+        line for line in err if ": layer " in line
+    ]
+    assert err[-1].startswith(f"radixserve: converted {gguf_path.name} in ")
+    gguf_to_hf_dir(gguf_path, tmp_path)  # cached: silent
+    assert capfd.readouterr().err == ""
+
+
+def test_a_conversion_interrupted_leaves_no_entry(tiny_pair, tmp_path, monkeypatch):
+    """The entry appears whole or not at all: a conversion that fails half-way is not reused."""
+    from radixserve.modelfiles import gguf_loader
+
+    _, gguf_path = tiny_pair
+
+    def fail(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("safetensors.numpy.save_file", fail)
+    with pytest.raises(OSError, match="disk full"):
+        gguf_loader.gguf_to_hf_dir(gguf_path, tmp_path, progress=lambda line: None)
+    assert not list(tmp_path.glob("gguf-*")) and not list(tmp_path.glob(".convert-*"))
+    monkeypatch.undo()
+    done = gguf_loader.gguf_to_hf_dir(gguf_path, tmp_path, progress=lambda line: None)
+    assert (done / "model.safetensors").is_file()
+
+
+def test_a_second_process_waits_for_the_first_conversion(tiny_pair, tmp_path):
+    """While one process converts (holds the entry's lock), another waits and says so, then
+    finds the entry instead of converting again."""
+    import fcntl
+    import subprocess
+    import sys
+
+    from radixserve.modelfiles.gguf_loader import content_digest
+
+    _, gguf_path = tiny_pair
+    lock = tmp_path / f".gguf-{content_digest(gguf_path.resolve(), tmp_path)[:24]}.lock"
+    code = ("import sys; from radixserve.modelfiles.gguf_loader import gguf_to_hf_dir; "
+            "print(gguf_to_hf_dir(sys.argv[1], sys.argv[2]))")  # fmt: skip
+    with open(lock, "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        proc = subprocess.Popen([sys.executable, "-c", code, str(gguf_path), str(tmp_path)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        first = proc.stderr.readline()
+        fcntl.flock(held, fcntl.LOCK_UN)
+    out, err = proc.communicate(timeout=120)
+    assert first.startswith("radixserve: waiting: another process is converting"), first + err
+    assert proc.returncode == 0 and (Path(out.strip()) / "model.safetensors").is_file()
 
 
 def test_info_from_hf_directory(tmp_path):

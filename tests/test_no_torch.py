@@ -19,21 +19,22 @@ PURE = [
     "radixserve.sched.scheduler",
     "radixserve.sched.policy",
     "radixserve.sched.adder",
-    "radixserve.router.tree",
+    "radixserve.router.policies.tree",
     "radixserve.router.policies",
-    "radixserve.router.index",
-    "radixserve.router.event_format",
-    "radixserve.router.kv_aware",
-    "radixserve.router.events",
-    "radixserve.router.kv_routing",
+    "radixserve.router.kvindex.block_index",
+    "radixserve.router.kvindex.event_format",
+    "radixserve.router.policies.kv_aware",
+    "radixserve.router.kvindex.subscriber",
+    "radixserve.router.proxy.kv_setup",
     "radixserve.sim.kv_feed",
-    "radixserve.router.app",
-    "radixserve.router.cli",
-    "radixserve.router.redis_index",
-    "radixserve.router.kvs_reader",
-    "radixserve.router.kvs_writer",
-    "radixserve.router.indexer_http",
-    "radixserve.router.indexer_cli",
+    "radixserve.router.proxy.app",
+    "radixserve.router.proxy.cli",
+    "radixserve.router.kvindex.redis_store",
+    "radixserve.router.kvindex.redis_reader",
+    "radixserve.router.kvindex.redis_writer",
+    "radixserve.router.indexer.admin",
+    "radixserve.router.indexer.metrics",
+    "radixserve.router.indexer.cli",
     "radixserve.sim.costmodel",
     "radixserve.sim.runner",
     "radixserve.sim.workloads",
@@ -101,7 +102,7 @@ class Block(importlib.abc.MetaPathFinder):
         if name in ("torch", "radixserve.model") or name.startswith(("torch.", "radixserve.model.")):
             raise ImportError(name + " is blocked in this test")
 sys.meta_path.insert(0, Block())
-from radixserve.router.kv_routing import load_tokenizer, prompt_ids
+from radixserve.router.proxy.kv_setup import load_tokenizer, prompt_ids
 tok = load_tokenizer("built-in:SmolLM2-135M-Instruct")
 ids = prompt_ids({"messages": [{"role": "user", "content": "hi"}]}, tok)
 assert ids and all(isinstance(i, int) for i in ids), ids

@@ -12,6 +12,7 @@ from urllib.parse import urlparse
 
 import pytest
 
+from radixserve.config import SchedulerConfig
 from test_router_fleet import Proc  # noqa: E402
 
 SETTINGS = {
@@ -100,6 +101,21 @@ def test_unbounded_wait_equals_sim_none(playground, tmp_path):
 
 def ndjson(data: bytes) -> list[dict]:
     return [json.loads(line) for line in data.decode().splitlines() if line.strip()]
+
+
+def test_default_bound_is_the_servers(playground):
+    """The page starts at the fairness bound `radixserve serve` starts with (it once started at
+    100 ms against the server's 1,000 without saying why), and a request that sets none gets it."""
+    server_default = SchedulerConfig().max_wait_ms
+    assert server_default == 1000.0
+    status, data = playground.call("GET", "/api/settings")
+    assert status == 200
+    assert json.loads(data)["settings"]["max_wait_ms"]["default"] == server_default
+    unset = {k: v for k, v in SETTINGS.items() if k != "max_wait_ms"}
+    explicit = {**unset, "max_wait_ms": server_default}
+    answers = [playground.call("POST", "/api/compare", body) for body in (unset, explicit)]
+    assert [status for status, _ in answers] == [200, 200]
+    assert json.loads(answers[0][1]) == json.loads(answers[1][1])
 
 
 def test_sweeps_stream_every_point(playground):

@@ -109,6 +109,10 @@ def test_slider_redraws_what_the_api_says(browser, playground, shots):
     wait_done(page)
     before = check_drawn_equals_api(page, playground)
     assert before["shared_prob"] == 0.9 and before["policies"] == ["fcfs", "lpm"]
+    # the bound starts at the server's default, and the page says that it is the server's
+    assert before["max_wait_ms"] == 1000 and page.inner_text("#max_wait_ms-value") == "1000 ms"
+    note = page.inner_text("#max_wait_ms-note")
+    assert "1000 ms, the default of radixserve serve --max-wait-ms" in note
     trace = page.evaluate("window.playground.last.trace.policies")
     assert trace == json.loads(post(playground, "/api/trace", before))["policies"]
     page.screenshot(path=str(shots / "playground.png"), full_page=True)
@@ -153,6 +157,58 @@ def test_policies_and_bound_from_the_page(browser, playground):
     titles = page.locator(".trace-policy h3").all_inner_texts()
     assert [t.split(":")[0] for t in titles] == ["dfs-weight", "fcfs", "lpm"]
     assert titles[1].startswith("fcfs: 2 of 6") and titles[2].startswith("lpm: 4 of 6")
+    assert errors == []
+    page.close()
+
+
+# every fillText of every canvas, with the box the text covers (in the canvas' user space, the
+# one Chart.js gives its points in): what the charts wrote, read without trusting the page's code
+RECORD_TEXT = """(() => {
+  const fill = CanvasRenderingContext2D.prototype.fillText;
+  window.drawnTexts = [];
+  CanvasRenderingContext2D.prototype.fillText = function (text, x, y, ...rest) {
+    const m = this.measureText(text);
+    window.drawnTexts.push({ canvas: this.canvas.id, text: String(text), box: [
+      x - m.actualBoundingBoxLeft, y - m.actualBoundingBoxAscent,
+      x + m.actualBoundingBoxRight, y + m.actualBoundingBoxDescent] });
+    return fill.call(this, text, x, y, ...rest);
+  };
+})()"""
+
+
+def overlap(a: list[float], b: list[float]) -> bool:
+    return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
+
+
+@pytest.mark.parametrize("viewport", [LAPTOP, PHONE], ids=["laptop", "phone"])
+def test_fairness_bound_labels_are_readable(browser, playground, viewport):
+    """At the defaults (where "0 ms = 10 ms" and "30 ms" used to be drawn over each other) no two
+    bound labels of the trade-off chart overlap, none covers a point, all stay on the canvas."""
+    page = browser.new_page()
+    page.set_viewport_size(viewport)
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.add_init_script(RECORD_TEXT)
+    page.goto(playground.url)
+    wait_done(page)
+    chart = "window.playground.charts['chart-tradeoff']"
+    page.evaluate(f"window.drawnTexts = []; {chart}.update('none')")  # one draw, recorded
+    texts = page.evaluate("window.drawnTexts.filter(t => t.canvas === 'chart-tradeoff')")
+    labels = [
+        t for t in texts if re.fullmatch(r"(\d+ ms|unbounded)( = (\d+ ms|unbounded))*", t["text"])
+    ]
+    bounds = page.evaluate(f"{chart}.data.datasets[0].data.map(d => d.bound)")
+    named = [n for t in labels for n in t["text"].split(" = ")]
+    assert sorted(named) == sorted("unbounded" if b is None else f"{b:g} ms" for b in bounds)
+    points = page.evaluate(f"{chart}.getDatasetMeta(0).data.map(p => [p.x, p.y])")
+    width, height = page.evaluate(f"[{chart}.width, {chart}.height]")
+    for i, a in enumerate(labels):
+        x0, y0, x1, y1 = a["box"]
+        assert 0 <= x0 and x1 <= width and 0 <= y0 and y1 <= height, a
+        for b in labels[i + 1 :]:
+            assert not overlap(a["box"], b["box"]), (a, b)
+        for x, y in points:  # the marker, radius 5
+            assert not overlap(a["box"], [x - 5, y - 5, x + 5, y + 5]), (a, (x, y))
     assert errors == []
     page.close()
 

@@ -14,9 +14,10 @@ import pytest
 pytest.importorskip("httptools")
 
 from fake_worker import spawn  # noqa: E402
-from radixserve.router.app import Router  # noqa: E402
-from radixserve.router.config import RouterConfig  # noqa: E402
-from radixserve.router.workers import ConnectionPool  # noqa: E402
+from radixserve.config import with_flags  # noqa: E402
+from radixserve.router.proxy.app import Router  # noqa: E402
+from radixserve.router.proxy.config import RouterConfig  # noqa: E402
+from radixserve.router.proxy.workers import ConnectionPool  # noqa: E402
 
 
 class FakeWorker:
@@ -39,7 +40,7 @@ class RouterThread:
 
     def __init__(self, urls: list[str], **overrides: object) -> None:
         settings = {"port": 0, "health_check_interval_secs": 0, "eviction_interval_secs": 0}
-        config = RouterConfig(worker_urls=tuple(urls), **{**settings, **overrides})
+        config = with_flags(RouterConfig, worker_urls=tuple(urls), **{**settings, **overrides})
         self.router, self.loop = Router(config), asyncio.new_event_loop()
         started = threading.Event()
         self.thread = threading.Thread(target=self._run, args=(started,), daemon=True)

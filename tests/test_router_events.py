@@ -12,8 +12,8 @@ import time
 import msgpack
 import zmq
 
-from radixserve.router.events import Endpoints, EventPlane, endpoints_from_info
-from radixserve.router.index import InMemoryIndex, block_keys
+from radixserve.router.kvindex.block_index import InMemoryIndex, block_keys
+from radixserve.router.kvindex.subscriber import Endpoints, EventPlane, endpoints_from_info
 
 BS = 16
 PROMPT = list(range(500, 500 + 4 * BS))

@@ -7,8 +7,10 @@ from __future__ import annotations
 import random
 from array import array
 
-from radixserve.router.policies import CachePolicyConfig, RequestView, WorkerView, create_policy
-from radixserve.router.tree import MultiTenantTree
+from radixserve.router.policies.base import RequestView, WorkerView
+from radixserve.router.policies.config import CachePolicyConfig
+from radixserve.router.policies.registry import create_policy
+from radixserve.router.policies.tree import MultiTenantTree
 
 
 def key_of(*unit_values: int) -> bytes:

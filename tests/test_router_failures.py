@@ -12,8 +12,8 @@ import pytest
 
 pytest.importorskip("httptools")
 
-from radixserve.router.app import Router  # noqa: E402
-from radixserve.router.config import RouterConfig  # noqa: E402
+from radixserve.router.proxy.app import Router  # noqa: E402
+from radixserve.router.proxy.config import RouterConfig  # noqa: E402
 from test_router_app import (  # noqa: E402
     FakeWorker,
     RouterThread,

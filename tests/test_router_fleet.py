@@ -25,7 +25,7 @@ import pytest
 
 pytest.importorskip("httptools")
 
-from radixserve.router.workers import ConnectionPool  # noqa: E402
+from radixserve.router.proxy.workers import ConnectionPool  # noqa: E402
 
 FAKE = Path(__file__).with_name("fake_worker.py")
 WORKER_KIND = os.environ.get("RADIXSERVE_TEST_WORKER", "sim")

@@ -14,8 +14,8 @@ import pytest
 
 pytest.importorskip("httptools")
 
-from radixserve.router.config import RouterConfig  # noqa: E402
-from radixserve.router.http import ClientConn  # noqa: E402
+from radixserve.router.proxy.config import RouterConfig  # noqa: E402
+from radixserve.router.proxy.connections import ClientConn  # noqa: E402
 from radixserve.server.config import ServerConfig  # noqa: E402
 from test_router_app import (  # noqa: E402
     FakeWorker,

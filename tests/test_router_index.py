@@ -5,7 +5,8 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from radixserve.router.event_format import (
+from radixserve.router.kvindex.block_index import InMemoryIndex, block_keys, chain_keys
+from radixserve.router.kvindex.event_format import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -13,7 +14,6 @@ from radixserve.router.event_format import (
     namespace_string,
     parse_payload,
 )
-from radixserve.router.index import InMemoryIndex, block_keys, chain_keys
 
 BS = 4
 PROMPT = list(range(100, 124))  # 6 blocks of 4

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from radixserve.router.event_format import BlockRemoved, BlockStored, namespace_string
-from radixserve.router.kv_aware import (
+from radixserve.router.kvindex.block_index import InMemoryIndex
+from radixserve.router.kvindex.event_format import BlockRemoved, BlockStored, namespace_string
+from radixserve.router.policies.base import RequestView, WorkerView
+from radixserve.router.policies.config import CachePolicyConfig
+from radixserve.router.policies.kv_aware import (
     EVICTING_SECS,
     HELD_QUEUE_SPAN,
     KEEP_SHARE,
     PENDING_WEIGHT,
     KvAwarePolicy,
 )
-from radixserve.router.policies import CachePolicyConfig, RequestView, WorkerView, create_policy
+from radixserve.router.policies.registry import create_policy
 
 BS = 16
 SHARED = list(range(1000, 1000 + 8 * BS))  # 8 blocks
@@ -222,7 +225,7 @@ def test_spill_never_moves_a_request_off_a_worker_holding_nearly_all_of_it():
 
 
 def test_a_prompt_is_hashed_once_for_the_lookup_and_the_dispatch(monkeypatch):
-    import radixserve.router.index as index_module
+    import radixserve.router.kvindex.block_index as index_module
 
     calls = []
     real = index_module.block_keys
@@ -241,3 +244,35 @@ def test_a_prompt_is_hashed_once_for_the_lookup_and_the_dispatch(monkeypatch):
     other = view(SHARED + [8] * 2 * BS)
     policy.on_dispatch(f"w{policy.select(fleet(), other, 0.0)}", other, 0.0)
     assert calls == [BS, BS]  # the next request is hashed anew
+
+
+class DownableIndex(InMemoryIndex):
+    """An in-memory index that can stop answering as a whole, as Redis does for the router."""
+
+    down = False
+
+    def prefix_tokens(self, workers, keys_for):
+        return {} if self.down else super().prefix_tokens(workers, keys_for)
+
+    def answering(self) -> bool:
+        return not self.down
+
+
+def test_index_down_falls_back_to_the_tree_kept_while_it_answered():
+    """Issue 25: with the index down, each prefix group's next request still goes to the
+    worker that holds it (the tree learnt every dispatch while the index answered)."""
+    index = DownableIndex()
+    policy, workers, holders = KvAwarePolicy(index=index), fleet(), []
+    groups = [[g * 10_000 + t for t in range(8 * BS)] for g in range(9)]
+    for g, ids in enumerate(groups):
+        req = view(ids + [7, g])
+        i = policy.select(workers, req, 0.0)
+        policy.on_dispatch(workers[i].id, req, 0.0)
+        policy.on_complete(workers[i].id, req, 0.0)
+        hold(policy, workers[i].id, ids, tag=g)  # the holder announces the prompt's blocks
+        holders.append(i)
+    assert sorted(set(holders)) == [0, 1, 2]
+    index.down = True
+    assert [policy.select(workers, view(ids + [9, g]), 1.0) for g, ids in enumerate(groups)] == (
+        holders
+    )

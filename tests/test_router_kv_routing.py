@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from radixserve.engine.tokenizer_manager import GenerateInput, TokenizerManager
-from radixserve.router.kv_aware import KvAwarePolicy
-from radixserve.router.kv_routing import KvRouting, load_tokenizer, prompt_ids
+from radixserve.router.policies.kv_aware import KvAwarePolicy
+from radixserve.router.proxy.kv_setup import KvRouting, load_tokenizer, prompt_ids
 
 MESSAGES = [
     {"role": "system", "content": "You are terse."},
@@ -23,7 +23,7 @@ def engine_ids(tok, **inp) -> list[int]:
     if inp.get("messages"):  # the server joins text parts before the engine sees them
         inp["messages"] = [
             {"role": m["role"], "content": m["content"] if isinstance(m["content"], str)
-             else "".join(p["text"] for p in m["content"])} for m in inp["messages"]
+             else "\n".join(p["text"] for p in m["content"])} for m in inp["messages"]
         ]  # fmt: skip
     manager = SimpleNamespace(tokenizer=tok)  # the two methods tokenize uses, unbound
     manager.render_chat = lambda i: TokenizerManager.render_chat(manager, i)

@@ -11,17 +11,13 @@ from collections.abc import Hashable
 
 import pytest
 
-from radixserve.router.keys import ids_key, text_key
-from radixserve.router.policies import (
-    POLICIES,
-    CacheAwarePolicy,
-    CachePolicyConfig,
-    NoWorkerAvailable,
-    RequestView,
-    RouterPolicy,
-    WorkerView,
-    create_policy,
-)
+from radixserve.cache.kv_event_types import namespace_string
+from radixserve.router.policies.base import NoWorkerAvailable, RequestView, RouterPolicy, WorkerView
+from radixserve.router.policies.cache_aware import CacheAwarePolicy
+from radixserve.router.policies.config import CachePolicyConfig
+from radixserve.router.policies.registry import POLICIES, create_policy
+from radixserve.router.policies.tree_keys import ids_key, text_key
+from radixserve.router.proxy.request_body import request_view
 
 NO_EVICTION = CachePolicyConfig(eviction_interval_secs=0)
 
@@ -325,12 +321,10 @@ def test_sixteen_prefix_groups_stay_put_and_load_stays_even(
 
 
 def test_request_key_and_namespace() -> None:
-    chat = RequestView.from_payload({"messages": [{"role": "user", "content": "hi"}], "model": "m"})
+    chat = request_view({"messages": [{"role": "user", "content": "hi"}], "model": "m"})
     assert chat.namespace[1] == "m" and chat.key == text_key("<user>hi\n")
-    ids = RequestView.from_payload({"input_ids": [1, 2, 3], "lora_path": "a", "cache_salt": "s"})
-    assert ids.key == ids_key([1, 2, 3]) and ids.namespace[2:] == ("a", "s")
-    assert RequestView.from_payload({"prompt": [5, 6]}).key == ids_key([5, 6])
-    assert (
-        RequestView.from_payload({"text": "abc"}).namespace
-        != RequestView.from_payload({"input_ids": [1]}).namespace
-    )
+    ids = request_view({"input_ids": [1, 2, 3], "lora_path": "a", "cache_salt": "s"})
+    assert ids.key == ids_key([1, 2, 3]) and ids.namespace[2:] == (namespace_string("a", "s"),)
+    assert ids.kv_namespace == namespace_string("a", "s")  # the tree's and the index's agree
+    assert request_view({"prompt": [5, 6]}).key == ids_key([5, 6])
+    assert request_view({"text": "abc"}).namespace != request_view({"input_ids": [1]}).namespace

@@ -10,9 +10,10 @@ import pytest
 
 pytest.importorskip("httptools")
 
-from radixserve.router.config import HealthConfig  # noqa: E402
-from radixserve.router.policies import RequestView, WorkerView, create_policy  # noqa: E402
-from radixserve.router.workers import WorkerRegistry  # noqa: E402
+from radixserve.router.policies.base import RequestView, WorkerView  # noqa: E402
+from radixserve.router.policies.registry import create_policy  # noqa: E402
+from radixserve.router.proxy.config import HealthConfig  # noqa: E402
+from radixserve.router.proxy.workers import WorkerRegistry  # noqa: E402
 from test_router_app import (  # noqa: E402
     FakeWorker,
     call,
@@ -121,7 +122,7 @@ def test_kv_usage_threshold(workers, make_router):  # noqa: F811
 
 def test_a_worker_reporting_garbage_stats_is_not_overloaded_and_probes_go_on(workers):  # noqa: F811
     a, b, c = workers[:3]
-    health = HealthConfig(overload_waiting=10, overload_kv_usage=0.9)
+    health = HealthConfig(overload_waiting_threshold=10, overload_kv_usage_threshold=0.9)
 
     async def sweep() -> frozenset[str]:
         reg = WorkerRegistry(health, lambda _id: None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from radixserve.router.shares import DispatchShares
+from radixserve.router.policies.shares import DispatchShares
 
 
 def test_counts_decay_with_each_dispatch_and_survive_rescaling() -> None:

@@ -10,8 +10,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from radixserve.router.keys import UNIT, ids_key, namespace, text_key, units
-from radixserve.router.tree import MultiTenantTree
+from radixserve.router.policies.tree import MultiTenantTree
+from radixserve.router.policies.tree_keys import UNIT, ids_key, namespace, text_key, units
 
 
 def key_of(*unit_values: int) -> bytes:

@@ -19,9 +19,9 @@ pytest.importorskip("httptools")
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from radixserve.router.config import HealthConfig  # noqa: E402
-from radixserve.router.pool import ConnectionPool  # noqa: E402
-from radixserve.router.workers import CircuitBreaker, WorkerRegistry  # noqa: E402
+from radixserve.router.proxy.config import HealthConfig  # noqa: E402
+from radixserve.router.proxy.upstream_pool import ConnectionPool  # noqa: E402
+from radixserve.router.proxy.workers import CircuitBreaker, WorkerRegistry  # noqa: E402
 from test_router_app import (  # noqa: E402
     FakeWorker,
     call,
@@ -102,7 +102,9 @@ def test_connect_timeout_and_probes_bounded_by_their_timeout(blackhole, workers,
                     retry_backoff_ms=1)  # fmt: skip
     # Each request that lands on the dead host waits 0.3 s, not two minutes, then moves on.
     assert all(generate(r.addr, f"q{i}")[0] == 200 for i in range(4))
-    health = HealthConfig(timeout_secs=0.5, failure_threshold=1, connect_timeout_secs=30)
+    health = HealthConfig(
+        health_check_timeout_secs=0.5, health_failure_threshold=1, connect_timeout_secs=30
+    )
 
     async def sweep() -> list[bool]:
         reg = WorkerRegistry(health, lambda _id: None)

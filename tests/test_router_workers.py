@@ -11,8 +11,8 @@ import pytest
 pytest.importorskip("httptools")
 
 import fake_worker  # noqa: E402
-from radixserve.router.config import HealthConfig  # noqa: E402
-from radixserve.router.workers import (  # noqa: E402
+from radixserve.router.proxy.config import HealthConfig  # noqa: E402
+from radixserve.router.proxy.workers import (  # noqa: E402
     CircuitBreaker,
     ConnectionPool,
     UpstreamError,
@@ -76,7 +76,9 @@ def test_registry_add_get_remove_tells_the_policy():
 def test_health_checks_take_a_worker_out_and_bring_it_back():
     async def test(url, engine):
         removed: list[str] = []
-        health = HealthConfig(timeout_secs=1.0, failure_threshold=2, success_threshold=2)
+        health = HealthConfig(
+            health_check_timeout_secs=1.0, health_failure_threshold=2, health_success_threshold=2
+        )
         reg = WorkerRegistry(health, removed.append)
         live, dead = reg.add(url), reg.add(DEAD)
         await reg.check_all()

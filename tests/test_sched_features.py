@@ -177,6 +177,23 @@ def test_no_preemption_without_a_threshold_or_within_it() -> None:
         assert sched.stats().num_retracted == 0 and sched.get("high").state.value == "waiting"  # type: ignore[union-attr]
 
 
+@pytest.mark.parametrize("how", ["flag", "policy"])
+def test_preemption_follows_the_one_priority_rule(how: str) -> None:
+    """--schedule-policy priority orders by priority as the flag does, so a threshold preempts
+    under either (the scheduler used to read the flag alone and ignore the threshold)."""
+    from radixserve.sched.policy import orders_by_priority
+
+    kw = {"enable_priority_scheduling": True} if how == "flag" else {"schedule_policy": "priority"}
+    assert orders_by_priority(kw.get("schedule_policy", "lpm"), how == "flag")
+    sched, runner, _ = make(priority_preemption_threshold=1, max_running_requests=1, **kw)
+    rng = random.Random(7)
+    sched.add_request(make_req("low", tokens(rng, 10), 20, priority=0))
+    one_step(sched, runner)
+    sched.add_request(make_req("high", tokens(rng, 10), 2, priority=5))
+    one_step(sched, runner)
+    assert sched.stats().num_retracted == 1 and sched.get("high").state.value != "waiting"  # type: ignore[union-attr]
+
+
 def test_bounded_wait_zero_is_arrival_order() -> None:
     rng = random.Random(8)
     cached = tokens(rng, 300)

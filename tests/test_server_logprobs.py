@@ -109,7 +109,9 @@ def test_chat_logprobs_parse_in_the_openai_client(client, tiny_server, reference
     )  # fmt: skip
     lps = [x.logprob for ch in streamed if ch.choices and ch.choices[0].logprobs
            for x in ch.choices[0].logprobs.content]  # fmt: skip
-    assert lps == [c.logprob for c in content]
+    # the second request hits the prefix cache, the first computed the whole prompt: equal
+    # within the README's 1e-4, not bit for bit (another CPU rounds the two paths apart)
+    assert len(lps) == len(content) and all(map(close, lps, [c.logprob for c in content]))
 
 
 def test_top_logprobs_without_logprobs_is_refused(tiny_server):
@@ -168,6 +170,9 @@ def test_streamed_completion_echo_and_logprobs_add_up_to_the_whole(client, tiny_
     chunks = [c.choices[0] for c in client.completions.create(stream=True, **kw)]
     assert "".join(c.text for c in chunks) == whole.text and whole.text.startswith(PROMPT)
     streamed = [v for c in chunks if c.logprobs for v in c.logprobs.token_logprobs]
-    assert streamed == whole.logprobs.token_logprobs
+    # two requests (the second's prompt from the cache), so within the tolerance
+    assert len(streamed) == len(whole.logprobs.token_logprobs)
+    assert streamed[0] is None and whole.logprobs.token_logprobs[0] is None
+    assert all(map(close, streamed[1:], whole.logprobs.token_logprobs[1:]))
     offsets = [v for c in chunks if c.logprobs for v in c.logprobs.text_offset]
     assert offsets == whole.logprobs.text_offset

@@ -204,11 +204,22 @@ def test_cli_rejects_a_parameter_the_workload_lacks(capsys: pytest.CaptureFixtur
 
 
 def test_every_cache_aware_setting_is_a_flag_of_route_and_sim() -> None:
-    from radixserve.router.config import RouterConfig
-    from radixserve.router.policies import CachePolicyConfig
+    # CachePolicyConfig is nested whole into both commands' configs: each of its fields is a
+    # flag of `route` and of `sim`, under its own name, and reaches the policy's config.
+    import argparse
 
-    names = [f.name for f in dataclasses.fields(CachePolicyConfig)]
+    from radixserve.config import add_dataclass_args, from_args
+    from radixserve.router.policies.config import CachePolicyConfig
+    from radixserve.router.proxy.config import RouterConfig
+
+    changed = {"cache_threshold": "0.7", "balance_abs_threshold": "7", "balance_rel_threshold":
+               "1.5", "eviction_interval_secs": "3", "max_tree_size": "1000", "share_slack": "inf",
+               "cache_aware_scheduling_min_tokens": "9", "warmup_secs": "2"}  # fmt: skip
+    assert set(changed) == {f.name for f in dataclasses.fields(CachePolicyConfig)}
+    argv = [a for n, v in changed.items() for a in ("--" + n.replace("_", "-"), v)]
     for config in (RouterConfig, ClusterConfig):
-        got = config(**{n: getattr(CachePolicyConfig(), n) for n in names}).policy_config()
-        assert got == CachePolicyConfig()
-    assert ClusterConfig(share_slack=float("inf")).policy_config().share_slack == float("inf")
+        parser = argparse.ArgumentParser()
+        add_dataclass_args(parser, config, "x")
+        got = from_args(config, parser.parse_args(argv)).cache_policy
+        assert got == CachePolicyConfig(0.7, 7, 1.5, 3.0, 1000, float("inf"), 9, 2.0)
+        assert from_args(config, parser.parse_args([])).cache_policy == CachePolicyConfig()

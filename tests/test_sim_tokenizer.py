@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from radixserve.sim.tokenizer import SimTokenizer
+from radixserve.modelfiles.sim_tokenizer import SimTokenizer
 from radixserve.sim.workloads import render_text
 
 

@@ -3,6 +3,12 @@
 Each field's ``metadata["help"]`` is its help text; ``add_dataclass_args`` turns a dataclass
 into an argparse group and ``from_args`` builds the dataclass back from parsed arguments.
 Values derived at run time live in the components' own runtime objects, never here.
+
+A field's bounds live in its metadata (``ge``, ``gt``, ``le``, ``lt``; ``also``: values allowed
+besides, such as -1 for "off"; ``check``: a function naming what is wrong with a value, run on
+the command line only, where it may look at files). ``check_fields`` applies the bounds in
+``__post_init__``; the flags apply them while parsing, and ``CliParser`` builds every config
+right after parsing, so a bad value is one line and exit status 2 before any process starts.
 """
 
 from __future__ import annotations
@@ -10,10 +16,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import operator
+import os
+import re
 import types
 import typing
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 T = TypeVar("T")
 
@@ -22,20 +32,46 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
 
 
+def bound_problem(value: Any, meta: typing.Mapping[str, Any]) -> str | None:
+    """What is wrong with ``value`` under the bounds in ``meta``, or None (None is no value)."""
+    if value is None or isinstance(value, bool) or value in meta.get("also", ()):
+        return None
+    if isinstance(value, float) and math.isnan(value):
+        return "must be a number (got nan)"
+    for key, op, holds in _BOUNDS:
+        if key in meta and not holds(value, meta[key]):
+            also = "".join(f" or {a}" for a in meta.get("also", ()))
+            shown = f"{value:g}" if isinstance(value, float) else repr(value)
+            return f"must be {op} {meta[key]}{also} (got {shown})"
+    return None
+
+
+_BOUNDS = (("ge", ">=", operator.ge), ("gt", ">", operator.gt),
+           ("le", "<=", operator.le), ("lt", "<", operator.lt))  # fmt: skip
+
+
+def check_fields(obj: Any) -> None:
+    """Refuse a field outside its metadata's bounds: ValueError naming the field."""
+    for f in dataclasses.fields(obj):
+        if problem := bound_problem(getattr(obj, f.name), f.metadata):
+            raise ValueError(f"{f.name} {problem}")
+
+
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
-    page_size: int = _f(1, "tokens per KV page; matches and inserts are truncated to whole pages")
+    page_size: int = _f(
+        1, "tokens per KV page; matches and inserts are truncated to whole pages", ge=1
+    )
     radix_eviction_policy: str = _f(
         "lru",
         "radix-tree eviction order (hit-benefit: least decayed hits x tokens saved first)",
         choices=("lru", "lfu", "fifo", "mru", "filo", "priority", "hit-benefit"),
     )
     disable_radix_cache: bool = _f(False, "turn prefix reuse off (every prompt is computed whole)")
-    max_total_tokens: int = _f(65536, "KV slots in the pool (tokens)")
+    max_total_tokens: int = _f(65536, "KV slots in the pool (tokens)", ge=1)
 
     def __post_init__(self) -> None:
-        if self.page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        check_fields(self)
         if self.max_total_tokens < self.page_size:
             raise ValueError("max_total_tokens must hold at least one page")
 
@@ -47,30 +83,42 @@ class SchedulerConfig:
         "waiting-queue order",
         choices=("fcfs", "lpm", "dfs-weight", "lof", "random", "routing-key", "priority"),
     )
-    max_prefill_tokens: int = _f(16384, "uncached prompt tokens admitted per prefill step")
-    chunked_prefill_size: int = _f(8192, "longest prefill chunk of one request (-1: no chunking)")
-    max_running_requests: int = _f(256, "most requests running at once")
+    max_prefill_tokens: int = _f(16384, "uncached prompt tokens admitted per prefill step", ge=1)
+    chunked_prefill_size: int = _f(
+        8192, "longest prefill chunk of one request (-1: no chunking)", ge=1, also=(-1,)
+    )
+    max_running_requests: int = _f(256, "most requests running at once", ge=1)
     # Bounded by default: pure LPM holds a cold request back for as long as warm ones keep
     # arriving; 1 s cut that tail 3.4x at no hit-rate cost (benchmarks/max_wait_tradeoff.py)
     max_wait_ms: float | None = _f(
         1000.0,
         "a request waiting longer than this is admitted ahead of the policy's order "
         "(inf: never, pure cache order; 0: FCFS)",
+        ge=0,
     )
     enable_priority_scheduling: bool = _f(
         False, "order the waiting queue by request priority first"
     )
     priority_preemption_threshold: int | None = _f(
-        None, "preempt a running request whose priority is lower by more than this (None: never)"
+        None,
+        "preempt a running request whose priority is lower by more than this (None: never)",
+        ge=0,
     )
-    new_token_ratio: float = _f(0.7, "initial share of remaining new tokens reserved per decode")
-    min_new_token_ratio: float = _f(0.1, "floor the reserved share decays to")
-    new_token_ratio_decay: float = _f(0.001, "decay of the reserved share per decode step")
+    # shares of a request's remaining max_new_tokens, as SGLang's init/min_new_token_ratio
+    # (which it caps at 1.0): 1 reserves every token a running request may still produce
+    new_token_ratio: float = _f(
+        0.7, "initial share of remaining new tokens reserved per decode", ge=0, le=1
+    )
+    min_new_token_ratio: float = _f(0.1, "floor the reserved share decays to", ge=0, le=1)
+    new_token_ratio_decay: float = _f(
+        0.001, "decay of the reserved share per decode step", ge=0, le=1
+    )
     seed: int = _f(0, "seed of the random policy")
     in_batch_prefix_threshold: int = _f(
         32,
         "cache-aware policies admit one of several waiting requests that share this many "
         "uncached tokens per step; the rest follow once it is cached (0: off)",
+        ge=0,
     )
     enable_mixed_chunk: bool = _f(
         False, "run running requests' decodes in the same step as a prefill chunk"
@@ -79,23 +127,115 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.max_wait_ms == math.inf:  # the CLI's way to say "never"; None in the API
             object.__setattr__(self, "max_wait_ms", None)
+        check_fields(self)
+        if self.min_new_token_ratio > self.new_token_ratio:
+            raise ValueError(f"min_new_token_ratio ({self.min_new_token_ratio:g}) must be <= "
+                             f"new_token_ratio ({self.new_token_ratio:g})")  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    model: str | None = _f(None, "HF directory or .gguf file (default: built-in SmolLM2-135M)")
-    dtype: str = _f("float32", "weights and KV dtype", choices=("float32", "bfloat16", "float16"))
-    device: str = _f("cpu", "torch device (cpu, cuda, cuda:0, ...)")
-    context_length: int | None = _f(None, "longest sequence (default: the model's)")
-    weights_cache_dir: str = _f(
-        "~/.cache/radixserve", "where a .gguf model is converted (dequantized) once, and reused"
+    model: str | None = _f(
+        None,
+        "HF directory or .gguf file (default: built-in SmolLM2-135M)",
+        check=lambda path: _lazy("radixserve.modelfiles.locate", "model_path_problem")(path),
     )
-    sampling_seed: int = _f(0, "seed of the sampler for requests that carry no seed of their own")
+    dtype: str = _f("float32", "weights and KV dtype", choices=("float32", "bfloat16", "float16"))
+    device: str = _f("cpu", "torch device (cpu, cuda, cuda:0, ...)", check=lambda d: _device(d))
+    context_length: int | None = _f(None, "longest sequence (default: the model's)", ge=1)
+    weights_cache_dir: str = _f(
+        "~/.cache/radixserve",
+        "where a .gguf model is converted (dequantized) once, keyed by its content, and reused",
+        check=lambda d: _dir_problem(d),
+    )
+    sampling_seed: int = _f(
+        0, "seed of the sampler for requests that carry no seed of their own", ge=0, lt=2**64
+    )
     num_threads: int = _f(
         0,
         "torch CPU threads of the model (0: one per core but one, left to the API and "
         "detokenizer processes; torch's threads stall badly when they must share a core)",
+        ge=0,
     )
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+def _lazy(module: str, name: str) -> Any:
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
+
+def _device(text: str) -> str | None:
+    """What keeps ``text`` from naming a usable torch device (torch imported only if not cpu)."""
+    if text == "cpu":
+        return None
+    try:
+        import torch
+    except ImportError:
+        return f"{text!r} needs torch (pip install 'radixserve[engine]')"
+
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        return f"is not a torch device (got {text!r}; e.g. cpu, cuda, cuda:1)"
+    if device.type == "cpu":
+        return None
+    backend = getattr(torch, device.type, None)
+    available = getattr(backend, "is_available", lambda: False)()
+    if not available:
+        return f"has no usable {device.type} device here (torch {torch.__version__}; got {text!r})"
+    count = getattr(backend, "device_count", lambda: 1)()
+    if device.index is not None and device.index >= count:
+        return f"names {device.type} device {device.index}, but only {count} are here"
+    return None
+
+
+def _dir_problem(path: str) -> str | None:
+    """Why ``path`` cannot be a directory this process writes in (it may be made later)."""
+    p = os.path.expanduser(path)
+    while not os.path.exists(p):  # the closest existing ancestor decides
+        p = os.path.dirname(p.rstrip("/")) or "."
+    if not os.path.isdir(p):
+        return f"{p} is not a directory"
+    if not os.access(p, os.W_OK | os.X_OK):
+        return f"cannot write in {p}"
+    return None
+
+
+def writable_file(path: str) -> str:
+    """argparse ``type`` of an output file: refused at once if it cannot be written later (the
+    file is opened for appending, and removed again if this made it)."""
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{path} is a directory")
+    parent = os.path.dirname(path) or "."
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(f"no directory {parent} to write {path} in")
+    existed = os.path.exists(path)
+    try:
+        with open(path, "ab"):
+            pass
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot write {path}: {e.strerror}") from None
+    if not existed:
+        os.remove(path)
+    return path
+
+
+def bounded(tp: Callable[[str], Any], **meta: Any) -> Callable[[str], Any]:
+    """argparse ``type``: ``tp`` whose value must keep ``meta``'s bounds (and ``check``)."""
+
+    def convert(text: str) -> Any:
+        value = tp(text)  # ValueError: argparse says "invalid int value: 'x'"
+        problem = bound_problem(value, meta) or (meta["check"](value) if "check" in meta else None)
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
+        return value
+
+    convert.__name__ = getattr(tp, "__name__", "value")
+    return convert
 
 
 def _base_type(tp: Any) -> Any:
@@ -106,13 +246,22 @@ def _base_type(tp: Any) -> Any:
     return tp
 
 
-def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
-    """Add one ``--flag-name`` per field of ``cls`` to a new argument group."""
-    group = parser.add_argument_group(title)
+def add_dataclass_args(
+    parser: argparse.ArgumentParser, cls: type, title: str, check: bool = True, group: Any = None
+) -> None:
+    """Add one ``--flag-name`` per field of ``cls`` to a new argument group; each value keeps its
+    field's bounds. A field whose type is itself a config dataclass (settings shared by several
+    commands) adds its own fields' flags to the same group, under their own names. With
+    ``check`` (and a ``CliParser``), ``cls`` is built right after parsing, so its
+    ``__post_init__`` refuses bad combinations before the command runs."""
+    group = parser.add_argument_group(title) if group is None else group
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
         tp = _base_type(hints[f.name])
+        if dataclasses.is_dataclass(tp):
+            add_dataclass_args(parser, tp, title, False, group)  # type: ignore[arg-type]
+            continue
         kw: dict[str, Any] = {"dest": f.name, "default": f.default, "help": f.metadata.get("help")}
         if tp is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
@@ -122,10 +271,92 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, title: str) -
         if typing.get_origin(tp) is tuple:  # a list flag, as in sglang-router: --worker-urls A B C
             tp = typing.get_args(tp)[0]
             kw.update(nargs="*", metavar=f.metadata.get("metavar"))
-        group.add_argument(flag, type=tp, **kw)
+        group.add_argument(flag, type=bounded(tp, **f.metadata), **kw)
+    if check:
+        add_check(parser, lambda args: from_args(cls, args))
+
+
+def add_check(
+    parser: argparse.ArgumentParser, check: Callable[[argparse.Namespace], object]
+) -> None:
+    """Run ``check`` on the parsed arguments before the command (a CliParser's only)."""
+    if isinstance(parser, CliParser):
+        parser.checks.append(check)
 
 
 def from_args(cls: type[T], args: argparse.Namespace) -> T:
-    """Build ``cls`` from the parsed arguments that share its field names."""
-    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    return cls(**{k: v for k, v in vars(args).items() if k in names})
+    """Build ``cls`` from the parsed arguments that share its field names (and its nested
+    configs' field names: see add_dataclass_args)."""
+    return from_flags(cls, vars(args))
+
+
+def flag_names(cls: type) -> set[str]:
+    """The flag names (field names) of ``cls``, its nested configs' included."""
+    hints = typing.get_type_hints(cls)
+    names: set[str] = set()
+    for f in dataclasses.fields(cls):
+        tp = _base_type(hints[f.name])
+        names |= flag_names(tp) if dataclasses.is_dataclass(tp) else {f.name}
+    return names
+
+
+def from_flags(cls: type[T], values: Mapping[str, Any]) -> T:
+    """Build ``cls`` from flat flag values, as the command line gives them: a nested config is
+    built from the values named as its fields. Names ``cls`` has no flag for are left out."""
+    hints = typing.get_type_hints(cls)
+    kw: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        tp = _base_type(hints[f.name])
+        if dataclasses.is_dataclass(tp):
+            kw[f.name] = from_flags(tp, values)  # type: ignore[arg-type]
+        elif f.name in values:
+            kw[f.name] = values[f.name]
+    return cls(**kw)
+
+
+def with_flags(cls: type[T], **values: Any) -> T:
+    """``cls`` built from flag values given by name (``with_flags(RouterConfig, port=0,
+    cache_threshold=0.7)``); a name that is no flag of ``cls`` is a TypeError."""
+    unknown = sorted(set(values) - flag_names(cls))
+    if unknown:
+        raise TypeError(f"{cls.__name__} has no setting {', '.join(unknown)}")
+    return from_flags(cls, values)
+
+
+class CliParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line and exit status 2: ``radixserve serve: error:
+    --max-wait-ms must be >= 0 (got -5); see radixserve serve --help``, never the usage. Its
+    ``checks`` run on the parsed arguments (a ValueError is such an error), before the command;
+    subparsers made from it are CliParsers too."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.checks: list[Callable[[argparse.Namespace], object]] = []
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extras = super().parse_known_args(args, namespace)
+        for check in self.checks:
+            try:
+                check(parsed)
+            except ValueError as e:
+                self.error(str(e))
+        return parsed, extras
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {_flag_first(message)}; see {self.prog} --help\n")
+
+
+def _flag_first(message: str) -> str:
+    """argparse's "argument --x: must be ..." as "--x must be ..."; one line."""
+    message = " ".join(message.split())
+    m = re.fullmatch(r"argument (\S+): (.*)", message)
+    if m is None:
+        return message
+    flag, what = m.groups()
+    return (
+        f"{flag} {what}"
+        if what.startswith(("must", "has ", "names ", "is "))
+        else f"{flag}: {what}"
+    )

@@ -12,7 +12,8 @@ import sys
 from radixserve.bench.backends import BACKENDS
 from radixserve.bench.loadgen import LoadConfig, run_load
 from radixserve.bench.report import format_summary, plot_records, summarize
-from radixserve.sim.workload_args import add_workload_args, finite, make_requests
+from radixserve.config import add_check, bounded, writable_file
+from radixserve.sim.workload_args import add_workload_args, finite, make_requests, workload_config
 from radixserve.sim.workloads import ideal_prefix_hit_rate
 
 
@@ -29,7 +30,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     add_workload_args(parser)
     g = parser.add_argument_group("target")
-    g.add_argument("--base-url", default="http://127.0.0.1:30000", help="server or router URL")
+    g.add_argument(
+        "--base-url", default="http://127.0.0.1:30000", type=_url, help="server or router URL"
+    )
     g.add_argument(
         "--backend",
         choices=sorted(BACKENDS),
@@ -40,19 +43,44 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     g.add_argument("--api-key", default=None, help="bearer token")
     g.add_argument(
         "--max-concurrency",
-        type=int,
+        type=bounded(int, ge=1),
         default=None,
         help="closed loop: keep this many requests in flight (default: open loop)",
     )
-    g.add_argument("--timeout-s", type=float, default=600.0, help="longest one request may take")
+    g.add_argument(
+        "--timeout-s", type=bounded(float, gt=0), default=600.0,
+        help="longest one request may take",
+    )  # fmt: skip
     out = parser.add_argument_group("output")
-    out.add_argument("--json", metavar="PATH", help="write the summary and every request")
-    out.add_argument("--plot", metavar="PNG", help="latency CDFs (needs matplotlib)")
+    out.add_argument(
+        "--json", metavar="PATH", type=writable_file, help="write the summary and every request"
+    )
+    out.add_argument(
+        "--plot", metavar="PNG", type=writable_file, help="latency CDFs (needs matplotlib)"
+    )
     out.add_argument(
         "--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar"
     )
+    add_check(parser, _check)  # every setting is checked before the first request
     parser.set_defaults(run=run)
     return parser
+
+
+def _url(text: str) -> str:
+    if not text.startswith(("http://", "https://")):  # else every request fails alike
+        raise argparse.ArgumentTypeError(f"must be an http:// or https:// URL, got {text!r}")
+    return text
+
+
+def _check(args: argparse.Namespace) -> None:
+    workload_config(args)
+    if args.plot:
+        from radixserve.sim.plot import import_pyplot
+
+        try:
+            import_pyplot()
+        except RuntimeError as e:  # --plot without matplotlib
+            raise ValueError(str(e)) from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -64,10 +92,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    if args.max_concurrency is not None and args.max_concurrency < 1:
-        raise ValueError("--max-concurrency must be >= 1")
-    if not args.base_url.startswith(("http://", "https://")):  # else every request fails alike
-        raise ValueError(f"--base-url must be an http:// or https:// URL, got {args.base_url!r}")
+    _check(args)
     workload, requests = make_requests(args)
     best = ideal_prefix_hit_rate(requests)
     mode = (

@@ -21,59 +21,24 @@ Rules it keeps (what a subscriber may rely on):
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.cache.hashing import ALGORITHMS
+from radixserve.cache.kv_event_types import (  # noqa: F401  (KVEvent: re-exported)
+    MEDIUM,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    engine_namespace,
+    wire_namespace,
+)
 from radixserve.cache.radix import RadixCache, TreeNode
-
-MEDIUM = "GPU"  # vLLM's name for the engine's own KV pool, whatever the device
-
-
-@dataclass(slots=True)
-class BlockStored:
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_name: str | None = None
-    extra_keys: list[Any] = field(default_factory=list)  # one entry per block
-
-    def wire(self) -> dict[str, Any]:
-        """The map vLLM publishes (field order as vLLM declares it)."""
-        return {"type": "BlockStored", "block_hashes": self.block_hashes,
-                "parent_block_hash": self.parent_block_hash, "token_ids": self.token_ids,
-                "block_size": self.block_size, "lora_id": None, "medium": MEDIUM,
-                "lora_name": self.lora_name, "extra_keys": self.extra_keys, "group_idx": 0,
-                "kv_cache_spec_kind": "full_attention"}  # fmt: skip
-
-
-@dataclass(slots=True)
-class BlockRemoved:
-    block_hashes: list[int]
-
-    def wire(self) -> dict[str, Any]:
-        return {"type": "BlockRemoved", "block_hashes": self.block_hashes, "medium": MEDIUM,
-                "group_idx": 0}  # fmt: skip
-
-
-@dataclass(slots=True)
-class AllBlocksCleared:
-    def wire(self) -> dict[str, Any]:
-        return {"type": "AllBlocksCleared"}
-
-
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 def namespace_fields(namespace: Hashable | None) -> tuple[str | None, Any]:
     """(lora_name, the first block's extra_keys entry) of an engine namespace."""
-    ns = "" if namespace is None else str(namespace)
-    if ns.startswith("lora:"):
-        return ns[len("lora:") :], None
-    if ns.startswith("salt:"):
-        return None, [ns[len("salt:") :]]
-    return None, ([ns] if ns else None)
+    return wire_namespace(engine_namespace(namespace))
 
 
 class BlockTracker:
@@ -149,7 +114,7 @@ class BlockTracker:
         if self.pending and isinstance(self.pending[-1], BlockRemoved):
             self.pending[-1].block_hashes.extend(hashes)
         else:
-            self.pending.append(BlockRemoved(hashes))
+            self.pending.append(BlockRemoved(hashes, MEDIUM))
 
     def clear(self) -> None:
         """The cache was reset: forget every block and announce AllBlocksCleared."""
@@ -195,13 +160,10 @@ class BlockTracker:
         self, states: list[Any], prev: Any, tokens: list[int], namespace: Hashable | None,
         at_root: bool,
     ) -> BlockStored:  # fmt: skip
-        lora, first_keys = namespace_fields(namespace)
-        extra: list[Any] = [None] * len(states)
-        if at_root:
-            extra[0] = first_keys
         parent = None if at_root else self.external(prev)
         hashes = [self.external(s) for s in states]
-        return BlockStored(hashes, parent, tokens, self.block_size, lora, extra)
+        ns = engine_namespace(namespace)
+        return BlockStored(hashes, parent, tokens, self.block_size, ns, MEDIUM)
 
     # -- snapshot and integrity ------------------------------------------------------------------
     def blocks(self) -> Iterator[dict[str, Any]]:

@@ -21,6 +21,16 @@ ids; ``ns`` the namespace string, "" when absent; integers are little-endian):
 ``xxhash64`` (unsigned 64-bit ints)
     root   = xxh64(b"radixserve:" + ns.encode(), seed=seed)
     h[i]   = xxh64(h[i-1].to_bytes(8, "little") + <toks as int64 little-endian>, seed=seed)
+
+Llumnix's ``--kvs-hash-algo`` names are accepted too: ``sha256_hex`` is ``sha256``, ``xxhash``
+is ``xxhash64``.
+
+Lower-tier keys (``page_keys``): one key per chunk of ``chunk_size`` tokens (whole pages; Llumnix's
+``--kvs-chunk-size``), ``<namespace digest>_<chain hash as hex>``. The digest (``KVNamespace``)
+names everything that must match for stored bytes to be interchangeable (model, logical dtype,
+layers, KV heads, head dim, page size, byte layout and order), so engines of another model or
+layout never read them: a mismatch misses, it never collides (SGLang's unified key scheme does
+the same).
 """
 
 from __future__ import annotations
@@ -29,7 +39,7 @@ import hashlib
 import sys
 from array import array
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass, fields
 from typing import Any
 
 import cbor2
@@ -101,6 +111,8 @@ ALGORITHMS: dict[str, _Algo] = {
     "sha256_cbor": _Algo(_cbor_root, _cbor_step, bytes.hex),
     "xxhash64": _Algo(_xx_root, _xx_step, lambda h: h),
 }
+ALGORITHMS["sha256_hex"] = ALGORITHMS["sha256"]  # Llumnix's names for the same two
+ALGORITHMS["xxhash"] = ALGORITHMS["xxhash64"]
 
 
 def block_hashes(
@@ -120,3 +132,57 @@ def block_hashes(
         raise ValueError(f"unknown hash algorithm {algorithm!r}; choose from {sorted(ALGORITHMS)}")
     states = algo.chain(algo.root(namespace or "", seed), token_ids, block_size, seed, hash_partial)
     return [algo.out(s) for s in states]
+
+
+# -- keys of the lower KV tiers -------------------------------------------------------------------
+KEY_SCHEMA = 1  # part of every digest: a change of the key format changes every key
+
+
+@dataclass(frozen=True, slots=True)
+class KVNamespace:
+    """Everything that must match for two engines' stored KV bytes to be interchangeable."""
+
+    model: str  # the model's identity (name or weights digest), never empty
+    dtype: str  # the logical KV dtype, e.g. "bfloat16"
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    layout: str = "layer,kv,token,head,dim"  # the order of a stored page's axes
+    byteorder: str = sys.byteorder
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("a KV namespace needs a model identity: '' would merge models")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, int) and value < 1:
+                raise ValueError(f"KV namespace {f.name} must be >= 1, got {value}")
+
+    def digest(self) -> str:
+        """``rkv<schema>-<16 hex>``: sha256 of the canonical CBOR of every field."""
+        raw = cbor2.dumps([KEY_SCHEMA, *astuple(self)], canonical=True)
+        return f"rkv{KEY_SCHEMA}-{hashlib.sha256(raw).hexdigest()[:16]}"
+
+
+def page_keys(
+    token_ids: Sequence[int],
+    namespace: KVNamespace,
+    chunk_size: int | None = None,
+    algorithm: str = "sha256_cbor",
+    seed: int = 0,
+    cache_namespace: str | None = None,
+) -> list[str]:
+    """One storage key per whole chunk of ``token_ids`` (``chunk_size`` tokens, a multiple of
+    the page size; default one page), computable from token ids alone: the chained hash of the
+    chunk (``block_hashes``, with the request's cache namespace: LoRA id, salt) under the
+    namespace digest."""
+    chunk = namespace.page_size if chunk_size is None else chunk_size
+    if chunk < 1 or chunk % namespace.page_size:
+        raise ValueError(
+            f"chunk_size must be a positive multiple of the page size {namespace.page_size}, "
+            f"got {chunk}"
+        )
+    prefix = namespace.digest()
+    hashes = block_hashes(token_ids, chunk, algorithm, seed, cache_namespace)
+    return [f"{prefix}_{h:016x}" if isinstance(h, int) else f"{prefix}_{h}" for h in hashes]

@@ -2,6 +2,8 @@
 
 engine = Engine(model="path/or/file.gguf")      # no model: the built-in SmolLM2-135M
 outs = engine.generate(["Hello"], {"max_new_tokens": 16, "temperature": 0})
+out = await engine.async_generate("Hello", sp)                       # from any event loop
+async for chunk in await engine.async_generate("Hello", sp, stream=True): ...   # sglang's shape
 engine.shutdown()
 """
 
@@ -9,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any
 
 from radixserve.engine.launch import EngineConfig, EngineProcesses, launch
@@ -73,71 +75,86 @@ class Engine:
         prompt: str | Sequence[str] | None = None,
         sampling_params: SamplingArg | Sequence[SamplingArg] = None,
         input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
-    ) -> dict[str, Any] | list[dict[str, Any]]:
-        """Generate for one prompt (returns a dict) or a list of them (a list of dicts)."""
+        stream: bool = False,
+    ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
+        """Generate for one prompt (returns a dict) or a list of them (a list of dicts). With
+        ``stream`` (one prompt), an iterator of chunks as sglang.Engine's: each the whole
+        result so far (text, output_ids, meta_info), the last one the final result."""
         inputs, single = _inputs(prompt, input_ids, sampling_params)
         for inp in inputs:
             self._check_sim(inp.sampling)
+        if stream:
+            return self._sync_stream(_one(inputs, single))
         results = self._call(self._collect_all(inputs))
+        return results[0] if single else results
+
+    async def async_generate(
+        self,
+        prompt: str | Sequence[str] | None = None,
+        sampling_params: SamplingArg | Sequence[SamplingArg] = None,
+        input_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        stream: bool = False,
+    ) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[dict[str, Any]]:
+        """``generate`` from any event loop, as sglang.Engine's: ``await`` it for the result,
+        or with ``stream=True`` for an async iterator of chunks (each the whole result so
+        far). A consumer that stops iterating early aborts the request."""
+        inputs, single = _inputs(prompt, input_ids, sampling_params)
+        for inp in inputs:
+            self._check_sim(inp.sampling)
+        if stream:
+            return self._async_stream(_one(inputs, single))
+        future = asyncio.run_coroutine_threadsafe(self._collect_all(inputs), self._loop)
+        results = await asyncio.wrap_future(future)
         return results[0] if single else results
 
     async def _collect_all(self, inputs: list[GenerateInput]) -> list[dict[str, Any]]:
         return list(await asyncio.gather(*(self._collect(i) for i in inputs)))
 
     async def _collect(self, inp: GenerateInput) -> dict[str, Any]:
-        text, ids, last = [], [], None
-        lps: list[TokenLogprob] = []
-        prompt: tuple[int, list[TokenLogprob]] = (0, [])
-        async for out in self.tm.generate(inp):
-            text.append(out.text)
-            ids.extend(out.token_ids)
-            lps.extend(out.logprobs or [])
-            if out.prompt_logprobs:
-                prompt = (out.prompt_logprob_start, out.prompt_logprobs)
-            last = out
-        assert last is not None
-        result = _result("".join(text), ids, last)
-        if inp.sampling.return_logprob:
-            first = inp.input_ids[0] if inp.input_ids else None
-            result["meta_info"] |= _logprob_meta(inp.sampling, lps[: len(ids)], prompt, first)
-        return result
+        got = _SoFar(inp)
+        async for _ in self._outputs(inp, got):
+            pass
+        return got.result()
 
-    async def async_generate(
-        self, prompt: str | None = None, sampling_params: SamplingArg = None,
-        input_ids: Sequence[int] | None = None,
-    ) -> AsyncIterator[dict[str, Any]]:  # fmt: skip
-        """Stream one request from any event loop: yields ``{"text": delta, ...}`` chunks."""
-        sampling, prefill_only = _prefill_aware(sampling_params)
-        self._check_sim(sampling)
-        inp = GenerateInput(text=prompt, input_ids=list(input_ids) if input_ids else None,
-                            sampling=sampling, prefill_only=prefill_only)  # fmt: skip
-        queue: asyncio.Queue = asyncio.Queue()
-        caller = asyncio.get_running_loop()
+    async def _chunks(self, inp: GenerateInput) -> AsyncIterator[dict[str, Any]]:
+        """The request's whole result so far after each output (on the engine's own loop)."""
+        got = _SoFar(inp)
+        outputs = self._outputs(inp, got)
+        try:
+            async for _ in outputs:
+                yield got.result()
+        finally:
+            await outputs.aclose()
 
-        async def pump() -> None:
-            try:
-                async for out in self.tm.generate(inp):
-                    caller.call_soon_threadsafe(queue.put_nowait, out)
-            except Exception as e:
-                caller.call_soon_threadsafe(queue.put_nowait, e)
+    async def _outputs(self, inp: GenerateInput, got: _SoFar) -> AsyncIterator[None]:
+        outs = self.tm.generate(inp)
+        try:
+            async for out in outs:
+                got.add(out)
+                yield None
+        finally:
+            await outs.aclose()  # not finished: the request is aborted and its KV freed
 
-        task = asyncio.run_coroutine_threadsafe(pump(), self._loop)
+    async def _async_stream(self, inp: GenerateInput) -> AsyncIterator[dict[str, Any]]:
+        """Chunks made on the engine's loop, handed to the caller's loop one by one."""
+        chunks = self._chunks(inp)
         try:
             while True:
-                item = await queue.get()
-                if isinstance(item, Exception):
-                    raise item
-                chunk = _result(item.text, item.token_ids, item)
-                if sampling.return_logprob:  # this chunk's tokens (and the prompt, once)
-                    prompt = (item.prompt_logprob_start, item.prompt_logprobs or [])
-                    first = inp.input_ids[0] if inp.input_ids else None
-                    lps = (item.logprobs or [])[: len(item.token_ids)]
-                    chunk["meta_info"] |= _logprob_meta(sampling, lps, prompt, first)
-                yield chunk
-                if item.finished:
+                step = asyncio.run_coroutine_threadsafe(_next(chunks), self._loop)
+                chunk = await asyncio.wrap_future(step)
+                if chunk is None:
                     return
+                yield chunk
         finally:
-            task.cancel()  # a consumer that stops early aborts the request
+            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(chunks.aclose(), self._loop))
+
+    def _sync_stream(self, inp: GenerateInput) -> Iterator[dict[str, Any]]:
+        chunks = self._chunks(inp)
+        try:
+            while (chunk := self._call(_next(chunks))) is not None:
+                yield chunk
+        finally:
+            self._call(chunks.aclose())
 
     def _check_sim(self, sampling: SamplingParams) -> None:
         """A simulated engine has no logits: refuse what needs them rather than ignore it."""
@@ -173,6 +190,36 @@ class Engine:
         self.shutdown()
 
 
+class _SoFar:
+    """A request's outputs gathered so far, as a result in SGLang's shape."""
+
+    def __init__(self, inp: GenerateInput) -> None:
+        self.inp = inp
+        self.text: list[str] = []
+        self.ids: list[int] = []
+        self.lps: list[TokenLogprob] = []
+        self.prompt: tuple[int, list[TokenLogprob]] = (0, [])
+        self.last: TextOut | None = None
+
+    def add(self, out: TextOut) -> None:
+        self.text.append(out.text)
+        self.ids.extend(out.token_ids)
+        self.lps.extend(out.logprobs or [])
+        if out.prompt_logprobs:
+            self.prompt = (out.prompt_logprob_start, out.prompt_logprobs)
+        self.last = out
+
+    def result(self) -> dict[str, Any]:
+        assert self.last is not None
+        result = _result("".join(self.text), list(self.ids), self.last)
+        sp = self.inp.sampling
+        if sp.return_logprob:
+            first = self.inp.input_ids[0] if self.inp.input_ids else None
+            lps = self.lps[: len(self.ids)]
+            result["meta_info"] |= _logprob_meta(sp, lps, self.prompt, first)
+        return result
+
+
 def _inputs(prompt: Any, input_ids: Any, sampling: Any) -> tuple[list[GenerateInput], bool]:
     if (prompt is None) == (input_ids is None):
         raise ValueError("give a prompt or input_ids")
@@ -185,8 +232,26 @@ def _inputs(prompt: Any, input_ids: Any, sampling: Any) -> tuple[list[GenerateIn
     return inputs, not batch
 
 
+async def _next(chunks: AsyncIterator[dict[str, Any]]) -> dict[str, Any] | None:
+    """The next chunk, or None at the end (a coroutine, for run_coroutine_threadsafe)."""
+    try:
+        return await anext(chunks)
+    except StopAsyncIteration:
+        return None
+
+
+def _one(inputs: list[GenerateInput], single: bool) -> GenerateInput:
+    if not single:
+        raise ValueError("stream=True takes one prompt, not a list")
+    return inputs[0]
+
+
 def _prefill_aware(arg: SamplingArg) -> tuple[SamplingParams, bool]:
     """``max_new_tokens: 0`` (prefill and cache the prompt only) runs as one hidden token."""
+    asked = arg.get("max_new_tokens") if isinstance(arg, Mapping) else None
+    if isinstance(asked, int) and asked < 0:
+        raise ValueError(f"max_new_tokens must be >= 0 (0: prefill and cache the prompt only), "
+                         f"got {asked}")  # fmt: skip
     if isinstance(arg, Mapping) and arg.get("max_new_tokens") == 0:
         return sampling_from({**arg, "max_new_tokens": 1}), True
     return sampling_from(arg), False

@@ -19,7 +19,7 @@ from radixserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from radixserve.engine.kv_events import KVEventsConfig
 from radixserve.engine.procutil import Endpoints
 from radixserve.engine.tokenizer_spec import TokenizerSpec
-from radixserve.sim.workloads import SIM_VOCAB_SIZE
+from radixserve.modelfiles.sim_tokenizer import SIM_VOCAB_SIZE
 
 START_TIMEOUT_S = 600.0
 
@@ -32,10 +32,18 @@ class EngineConfig:
     sim: str | None = None  # a cost-model preset: simulated runner, real time
     sim_vocab_size: int = SIM_VOCAB_SIZE  # the simulated tokenizer's vocabulary
     kv_events: KVEventsConfig | None = None  # publish KV-cache events (engine/kv_events.py)
+    # --sim only: write prompts' pages to a KV store as placeholders (engine/sim_store.py)
+    sim_kv_store: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.kv_events is not None:
             self.kv_events.check_page_size(self.cache.page_size)
+        if self.sim_kv_store is not None:
+            from radixserve.engine.sim_store import parse_sim_store
+
+            if self.sim is None:
+                raise ValueError("--sim-kv-store needs --sim (a real engine writes real pages)")
+            object.__setattr__(self, "sim_kv_store", parse_sim_store(self.sim_kv_store))
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -45,7 +53,7 @@ class EngineConfig:
                                ("sched", SchedulerConfig)):  # fmt: skip
             names = {f.name for f in dataclasses.fields(part_cls)}
             parts[name] = part_cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
-        own = {k: kwargs.pop(k) for k in ("sim", "sim_vocab_size") if k in kwargs}
+        own = {k: kwargs.pop(k) for k in ("sim", "sim_vocab_size", "sim_kv_store") if k in kwargs}
         events = kwargs.pop("kv_events_config", None)
         if kwargs:
             raise TypeError(f"unknown engine options: {', '.join(sorted(kwargs))}")

@@ -44,6 +44,7 @@ class Worker:
     push: zmq.Socket
     realtime: bool
     events: KVEventPlane | None = None  # KV-cache events of the tree, published per step
+    store: Any = None  # --sim-kv-store: SimStoreWriter, fed each finished prompt
     live: dict[str, Req] = field(default_factory=dict)  # requests whose tokens go out
     # prompt logprobs computed by prefill chunks, by position, until the first token goes out
     prompt_lp: dict[str, dict[int, TokenLogprob]] = field(default_factory=dict)
@@ -159,6 +160,8 @@ class Worker:
         matched = o.token_id if o.finished and o.token_id in stops else None
         if o.finished:
             del self.live[o.rid]
+            if self.store is not None:  # queued for the writer thread: never waits here
+                self.store.submit(req.input_ids, req.namespace)
         out = TokenOut(o.rid, [o.token_id], o.finished, reason, len(req.input_ids),
                        o.cached_tokens, req.num_generated, matched)  # fmt: skip
         if logprob is not None:
@@ -198,8 +201,21 @@ def run_scheduler(engine_config: Any, endpoints: Endpoints, ready: Any, parent_p
         return
     if events is not None:
         info["kv_events"] = events.info()
+    store = None
+    if engine_config.sim_kv_store is not None:
+        try:
+            from radixserve.engine.sim_store import SimStoreWriter
+
+            store = SimStoreWriter(engine_config.sim_kv_store, engine_config.sim,
+                                   scheduler.cache.page_size)  # fmt: skip
+        except (ValueError, ImportError, OSError) as e:
+            ready.send(("error", f"--sim-kv-store: {e}"))
+            return
+        info["kv_store"] = store.info()
     ready.send(("ready", {"pid": os.getpid(), **info}))
-    Worker(scheduler, runner, pull, push, engine_config.sim is not None, events).loop()
+    worker = Worker(scheduler, runner, pull, push, engine_config.sim is not None, events)
+    worker.store = store
+    worker.loop()
 
 
 def _kv_events(engine_config: Any, scheduler: Scheduler) -> KVEventPlane | None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from radixserve.sim.workloads import SIM_VOCAB_SIZE
+from radixserve.modelfiles.sim_tokenizer import SIM_VOCAB_SIZE
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,7 +18,7 @@ class TokenizerSpec:
 
     def load(self) -> Any:
         if self.kind == "sim":
-            from radixserve.sim.tokenizer import SimTokenizer
+            from radixserve.modelfiles.sim_tokenizer import SimTokenizer
 
             return SimTokenizer(self.vocab_size, self.context_length or 131072)
         from radixserve.modelfiles.tokenizer import load_model_info

@@ -1,7 +1,8 @@
 """GGUF to Hugging Face directory: dequantized weights under HF names (llama.cpp's Q/K row order
 undone), config.json, and a tokenizer.json rebuilt from the embedded BPE vocab. Torch-free.
 
-A conversion is cached by file identity, so only the first load pays for reading the GGUF.
+A conversion is cached by the file's content (its sha256), so only the first load of a model
+pays for reading the GGUF, wherever its copies live; that first load prints its progress.
 """
 
 from __future__ import annotations
@@ -10,7 +11,11 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -48,41 +53,110 @@ _GLOBAL_NAMES = {
 }
 
 
-def gguf_to_hf_dir(gguf_path: str | Path, cache_root: str | Path) -> Path:
-    """The HF-style directory converted from ``gguf_path``, converting it on first use."""
+Progress = Callable[[str], None]  # hears one line of what a conversion is doing
+
+
+def gguf_to_hf_dir(
+    gguf_path: str | Path, cache_root: str | Path, progress: Progress | None = None
+) -> Path:
+    """The HF-style directory converted from ``gguf_path``, converting it on first use.
+
+    The entry is named by the GGUF's content (sha256), so every copy of one file, wherever it
+    lives (one per virtual environment), shares one entry. A conversion is written to a
+    temporary directory and renamed into place; a lock makes a second process wait for the
+    first's conversion instead of repeating it. ``progress`` (default: lines on stderr) hears
+    what the conversion is doing."""
     src = Path(gguf_path).resolve()
-    stat = src.stat()
-    key = f"{src}|{stat.st_size}|{stat.st_mtime_ns}|{CONVERTER_VERSION}"
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     root = Path(cache_root).expanduser()
-    target = root / f"{src.stem}-{digest}"
+    root.mkdir(parents=True, exist_ok=True)
+    digest = content_digest(src, root)
+    target = root / f"gguf-{digest[:24]}-v{CONVERTER_VERSION}"
     if (target / "model.safetensors").is_file():
         return target
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=root))
-    try:
-        write_hf_dir(src, tmp)
-        os.replace(tmp, target)  # atomic: a concurrent converter's result is as good as ours
-    except OSError:
-        if not (target / "model.safetensors").is_file():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    say = progress or _stderr
+    with _lock(root / f".gguf-{digest[:24]}.lock", lambda: say(f"waiting: another process is "
+               f"converting {src.name}")):  # fmt: skip
+        if (target / "model.safetensors").is_file():  # the other process did it
+            return target
+        say(f"converting {src.name} once into {target} (later starts reuse it)")
+        started = time.monotonic()
+        tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=root))
+        try:
+            write_hf_dir(src, tmp, say)
+            (tmp / "source.json").write_text(json.dumps({"gguf": src.name, "sha256": digest}))
+            os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide the entry from other users
+            os.replace(tmp, target)  # atomic: a reader sees no entry or a whole one
+        except OSError:
+            if not (target / "model.safetensors").is_file():
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        say(f"converted {src.name} in {time.monotonic() - started:.1f} s")
     return target
 
 
-def write_hf_dir(gguf_path: Path, out: Path) -> None:
+def _stderr(line: str) -> None:
+    print(f"radixserve: {line}", file=sys.stderr, flush=True)
+
+
+def content_digest(path: Path, cache_root: Path) -> str:
+    """sha256 of the file's bytes, read once: remembered under ``cache_root/digests`` for the
+    file's (path, size, mtime, inode), so a later start only stats the file."""
+    st = path.stat()
+    identity = f"{path}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+    memo = cache_root / "digests" / hashlib.sha256(identity.encode()).hexdigest()[:32]
+    try:
+        known = memo.read_text().strip()
+    except OSError:
+        known = ""
+    if len(known) == 64 and all(c in "0123456789abcdef" for c in known):
+        return known
+    with open(path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    memo.parent.mkdir(exist_ok=True)
+    tmp = memo.with_name(f".{memo.name}.{os.getpid()}")
+    tmp.write_text(digest)
+    os.replace(tmp, memo)
+    return digest
+
+
+@contextmanager
+def _lock(path: Path, on_wait: Callable[[], None]) -> Iterator[None]:
+    """An exclusive advisory lock on ``path`` (none where fcntl is missing)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: the atomic rename alone keeps the cache whole
+        yield
+        return
+    with open(path, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            on_wait()
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def write_hf_dir(gguf_path: Path, out: Path, progress: Progress | None = None) -> None:
     """Write config.json, tokenizer files and model.safetensors for ``gguf_path`` into ``out``."""
     from gguf import GGUFReader
     from safetensors.numpy import save_file
 
+    say = progress or (lambda line: None)
     reader = GGUFReader(str(gguf_path))
     meta = {name: _value(f) for name, f in reader.fields.items()}
-    tensors = _tensors(reader, meta)
+    tensors = _tensors(
+        reader, meta, lambda layer, of: say(f"converting {gguf_path.name}: layer {layer}/{of}")
+    )
     tokenizer = build_tokenizer(meta)
     tokenizer.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(meta), indent=2))
     (out / "config.json").write_text(json.dumps(_hf_config(meta, tensors), indent=2))
+    size = sum(t.nbytes for t in tensors.values())
+    say(f"{gguf_path.name}: writing model.safetensors ({size / 2**20:,.0f} MiB)")
     save_file(tensors, str(out / "model.safetensors"))
 
 
@@ -107,15 +181,24 @@ def _arch(meta: dict[str, Any]) -> str:
     return arch
 
 
-def _tensors(reader: Any, meta: dict[str, Any]) -> dict[str, np.ndarray]:
+def _tensors(
+    reader: Any, meta: dict[str, Any], on_layer: Callable[[int, int], None] | None = None
+) -> dict[str, np.ndarray]:
+    """Every tensor dequantized to float32 under its HF name; ``on_layer(i, n)`` as layer i of
+    n begins."""
     from gguf.quants import dequantize
 
     arch = _arch(meta)
     heads = int(meta[f"{arch}.attention.head_count"])
     kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
-    out = {}
+    layers = int(meta.get(f"{arch}.block_count", 0))
+    out: dict[str, np.ndarray] = {}
+    seen: set[str] = set()
     for t in reader.tensors:
         name = _hf_name(t.name)
+        if on_layer and t.name.startswith("blk.") and (layer := t.name.split(".")[1]) not in seen:
+            seen.add(layer)
+            on_layer(len(seen), layers)
         w = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         if arch == "llama" and ".q_proj." in name:
             w = _unpermute(w, heads)

@@ -5,6 +5,7 @@ directory) or, with no path, the built-in SmolLM2-135M-Instruct from the llm-smo
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 from radixserve.config import ModelConfig
@@ -44,6 +45,19 @@ def resolve_model_dir(config: ModelConfig) -> Path:
 
         return gguf_to_hf_dir(path, config.weights_cache_dir)
     raise FileNotFoundError(f"model {path} is neither a directory nor a .gguf file")
+
+
+def model_path_problem(model: str) -> str | None:
+    """What keeps ``model`` from being loaded, without reading it (the CLI checks this before
+    starting any process), or None."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return None if (path / "config.json").is_file() else f"{path} has no config.json"
+    if not path.exists():
+        return f"{path} does not exist (an HF model directory or a .gguf file)"
+    if path.suffix != ".gguf":
+        return f"{path} is neither a directory nor a .gguf file"
+    return None if os.access(path, os.R_OK) else f"cannot read {path}"
 
 
 def load_info(config: ModelConfig) -> ModelInfo:

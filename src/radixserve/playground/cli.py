@@ -7,7 +7,8 @@ import argparse
 import sys
 from urllib.parse import urlparse
 
-from radixserve.server.cli import bind
+from radixserve.config import bounded
+from radixserve.net import bind
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -23,23 +24,28 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         ),
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=8080, help="port (0: any free one)")
-    parser.add_argument("--router-url", help="a `radixserve route` to show in the fleet view")
-    parser.add_argument("--log-level", default="warning", help="uvicorn log level")
+    parser.add_argument(
+        "--port", type=bounded(int, ge=0, le=65535), default=8080, help="port (0: any free one)"
+    )
+    parser.add_argument(
+        "--router-url", type=_router_url, help="a `radixserve route` to show in the fleet view"
+    )
+    parser.add_argument(
+        "--log-level", default="warning", help="uvicorn log level",
+        choices=("critical", "error", "warning", "info", "debug", "trace"),
+    )  # fmt: skip
     parser.set_defaults(run=run)
     return parser
 
 
+def _router_url(text: str) -> str:
+    url = urlparse(text)
+    if url.scheme not in ("http", "https") or not url.netloc:
+        raise argparse.ArgumentTypeError(f"must be http(s)://host:port, got {text!r}")
+    return text
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.router_url is not None:
-        url = urlparse(args.router_url)
-        if url.scheme not in ("http", "https") or not url.netloc:
-            print(f"radixserve playground: --router-url must be http(s)://host:port, got "
-                  f"{args.router_url!r}", file=sys.stderr)  # fmt: skip
-            return 2
-    if not 0 <= args.port < 65536:
-        print(f"radixserve playground: --port must be 0..65535, got {args.port}", file=sys.stderr)
-        return 2
     try:
         sock = bind(args.host, args.port)
     except OSError as e:

@@ -8,8 +8,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixserve.config import SchedulerConfig
 from radixserve.sched.policy import POLICIES
 
+# the server's default bound (`radixserve serve --max-wait-ms`), so that the page starts where a
+# server does; the page says so beside the slider
+SERVER_MAX_WAIT_MS = SchedulerConfig().max_wait_ms
 # the most prompt tokens one run may simulate: beyond it a sweep takes minutes, not seconds
 MAX_PROMPT_TOKENS = 1_000_000
 
@@ -32,7 +36,9 @@ class Params:
     num_requests: int = _p(100, 1, 5000, "requests in the stream")
     kv_tokens: int = _p(1200, 16, 4_000_000, "KV pool of the engine, in tokens")
     max_running_requests: int = _p(8, 1, 1024, "most requests running at once")
-    max_wait_ms: float | None = _p(100.0, 0, 3_600_000, "fairness bound (null: unbounded)")
+    max_wait_ms: float | None = _p(
+        SERVER_MAX_WAIT_MS, 0, 3_600_000, "fairness bound (null: unbounded); default: the server's"
+    )
     policies: tuple[str, ...] = field(
         default=("fcfs", "lpm"), metadata={"help": "schedule policies to compare"}
     )

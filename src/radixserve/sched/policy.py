@@ -402,6 +402,13 @@ class DfsWeight(WaitingPolicy):
 register("priority")(Fcfs)
 
 
+def orders_by_priority(schedule_policy: str, enable_priority_scheduling: bool) -> bool:
+    """The priority rule: requests' priorities order the waiting queue (and may preempt) under
+    --enable-priority-scheduling or --schedule-policy priority; elsewhere a priority means
+    nothing (and the server refuses one)."""
+    return enable_priority_scheduling or schedule_policy == "priority"
+
+
 def make_policy(
     config: SchedulerConfig, clock: Callable[[], float], cache_enabled: bool = True
 ) -> WaitingPolicy:
@@ -413,7 +420,7 @@ def make_policy(
     cls = POLICIES[name]
     if cls.cache_aware and not cache_enabled:
         cls = Fcfs
-    by_priority = config.enable_priority_scheduling or name == "priority"
+    by_priority = orders_by_priority(name, config.enable_priority_scheduling)
 
     def make() -> WaitingPolicy:
         policy = cls(config)

@@ -19,7 +19,7 @@ from radixserve.sched.adder import AddResult, PrefillAdder
 from radixserve.sched.batch import Batch, BatchEntry, StepResult
 from radixserve.sched.decode_run import apply_run, run_length
 from radixserve.sched.kv import KVManager
-from radixserve.sched.policy import PassContext, make_policy
+from radixserve.sched.policy import PassContext, make_policy, orders_by_priority
 from radixserve.sched.prefix_index import PrefixIndex
 from radixserve.sched.request import FinishReason, Req, ReqState, TokenOutput
 from radixserve.sched.running import RunningSet, retract_order
@@ -273,7 +273,10 @@ class Scheduler:
         self, req: Req, adder: PrefillAdder, taken: list[Req]
     ) -> tuple[list[Req], float]:
         threshold = self.config.priority_preemption_threshold
-        if threshold is None or not self.config.enable_priority_scheduling:
+        cfg = self.config
+        if threshold is None or not orders_by_priority(
+            cfg.schedule_policy, cfg.enable_priority_scheduling
+        ):
             return [], 0.0
         short_kv, short_slots = adder.kv_short(req, req.prefix_len), 1 - adder.rem_slots
         return self.running.pick_victims(

@@ -177,6 +177,7 @@ def _admin_routes(state: ServerState) -> APIRouter:
             "cache": dataclasses.asdict(ec.cache), "scheduler": await _scheduler(state),
             "engine": state.engine.info, "engine_alive": state.dead() is None,
             "kv_events": state.engine.info.get("kv_events"),
+            "kv_store": state.engine.info.get("kv_store"),
             "stats": await _stats(state),
         }  # fmt: skip
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import signal
 import socket
@@ -16,9 +17,11 @@ from radixserve.config import (
     CacheConfig,
     ModelConfig,
     SchedulerConfig,
+    add_check,
     add_dataclass_args,
     from_args,
 )
+from radixserve.net import bind
 from radixserve.server.config import ServerConfig
 
 if TYPE_CHECKING:
@@ -37,36 +40,55 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         description="Serve one model (or a simulated one) over HTTP: OpenAI /v1/completions "
         "and /v1/chat/completions, SGLang /generate, health, info and Prometheus /metrics.",
     )
-    add_dataclass_args(parser, ServerConfig, "server")
-    add_dataclass_args(parser, ModelConfig, "model")
-    add_dataclass_args(parser, CacheConfig, "cache")
-    add_dataclass_args(parser, SchedulerConfig, "scheduler")
+    add_dataclass_args(parser, ServerConfig, "server", check=False)
+    add_dataclass_args(parser, ModelConfig, "model", check=False)
+    add_dataclass_args(parser, CacheConfig, "cache", check=False)
+    add_dataclass_args(parser, SchedulerConfig, "scheduler", check=False)
     parser.add_argument_group("kv events").add_argument(
         "--kv-events-config", default=None, metavar="JSON",
         help="publish KV-cache events as vLLM does, e.g. '{\"endpoint\": \"tcp://*:5557\", "
         "\"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"\", \"block_size\": 16}' "
         "(vLLM's and SGLang's keys, plus block_size, hash_algo, hash_seed)",
     )  # fmt: skip
+    parser.add_argument_group("kv store").add_argument(
+        "--sim-kv-store", default=None, metavar="JSON",
+        help="with --sim: write each prefilled prompt's pages to a KV store as small placeholder "
+        "objects under the real keys (routers find them through the store's metadata), e.g. "
+        "'{\"backend\": \"mooncake\", \"master_server_address\": \"127.0.0.1:P\", "
+        "\"te_port_range\": \"20000-20063\", \"client_port_range\": \"20100-20115\", "
+        "\"chunk_size\": 256, \"hash_algo\": \"sha256_cbor\", \"seed\": 0}'",
+    )  # fmt: skip
+    add_check(parser, configs)  # every setting is checked before any process starts
     parser.set_defaults(run=run)
     return parser
+
+
+def configs(args: argparse.Namespace) -> tuple[ServerConfig, Any]:
+    """ServerConfig and EngineConfig from the flags; ValueError says what is wrong."""
+    from radixserve.engine.kv_events import KVEventsConfig
+    from radixserve.engine.launch import EngineConfig
+    from radixserve.sched.validate import check_config
+
+    server = from_args(ServerConfig, args)
+    events = getattr(args, "kv_events_config", None)
+    engine_config = EngineConfig(from_args(ModelConfig, args), from_args(CacheConfig, args),
+                                 from_args(SchedulerConfig, args), sim=server.sim,
+                                 sim_vocab_size=server.sim_vocab_size,
+                                 kv_events=None if events is None
+                                 else KVEventsConfig.from_json(events),
+                                 sim_kv_store=None if args.sim_kv_store is None
+                                 else _json_object(args.sim_kv_store))  # fmt: skip
+    check_config(engine_config.sched, engine_config.cache.page_size)
+    return server, engine_config
 
 
 def run(args: argparse.Namespace) -> int:
     """Bind the address first (a port in use fails at once, not after loading the model), then
     launch the engine, then listen: the server is ready once it accepts connections."""
-    from radixserve.engine.kv_events import KVEventsConfig
-    from radixserve.engine.launch import EngineConfig
-
     try:
-        server = from_args(ServerConfig, args)
-        events = getattr(args, "kv_events_config", None)
-        engine_config = EngineConfig(from_args(ModelConfig, args), from_args(CacheConfig, args),
-                                     from_args(SchedulerConfig, args), sim=server.sim,
-                                     sim_vocab_size=server.sim_vocab_size,
-                                     kv_events=None if events is None
-                                     else KVEventsConfig.from_json(events))  # fmt: skip
+        server, engine_config = configs(args)
     except ValueError as e:
-        print(f"radixserve serve: {e}", file=sys.stderr)
+        print(f"radixserve serve: error: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=server.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
@@ -125,21 +147,6 @@ class StopSignals:
         self.got.append(signum)
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``host:port`` (port 0: any free one), not yet listening."""
-    family, kind, proto, _, addr = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(addr)
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
 def _run_loop(main: Coroutine[Any, Any, None]) -> None:
     try:
         import uvloop
@@ -191,3 +198,13 @@ async def _end_requests_at_exit(
     done, _ = await asyncio.wait({task}, timeout=grace)
     if not done and (n := state.fail_all("the server is shutting down")):
         log.warning("ended %d running request(s): the server is shutting down", n)
+
+
+def _json_object(text: str) -> dict:
+    try:
+        obj = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"--sim-kv-store is not JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise ValueError("--sim-kv-store must be a JSON object")
+    return obj

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixserve.sim.workloads import SIM_VOCAB_SIZE
+from radixserve.config import check_fields
+from radixserve.modelfiles.sim_tokenizer import SIM_VOCAB_SIZE
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
@@ -16,13 +17,16 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
     host: str = _f("127.0.0.1", "address to listen on")
-    port: int = _f(30000, "port to listen on (0: any free port; the one chosen is printed)")
+    port: int = _f(
+        30000, "port to listen on (0: any free port; the one chosen is printed)", ge=0, le=65535
+    )
     sim: str | None = _f(
         None, "simulate the model with this cost-model preset (e.g. tiny-cpu), in real time"
     )
     sim_vocab_size: int = _f(
         SIM_VOCAB_SIZE,
         "with --sim: token ids of the simulated tokenizer are in [0, N) (N - 1: EOS)",
+        ge=3,
     )
     served_model_name: str | None = _f(
         None, "the model name clients send and see (default: the model's own name)"
@@ -33,34 +37,27 @@ class ServerConfig:
     admin_api_key: str | None = _f(
         None, "bearer key of the admin endpoints (/set_internal_state, ...) instead of api_key"
     )
-    max_payload_size: int = _f(32 * 2**20, "largest request body in bytes (larger: 413)")
-    max_batch_size: int = _f(256, "most choices one request may ask for (prompts x n)")
+    max_payload_size: int = _f(32 * 2**20, "largest request body in bytes (larger: 413)", ge=1)
+    max_batch_size: int = _f(256, "most choices one request may ask for (prompts x n)", ge=1)
     health_generate_timeout_secs: float = _f(
-        20.0, "a /health_generate probe slower than this reports the engine unhealthy"
+        20.0, "a /health_generate probe slower than this reports the engine unhealthy", gt=0
     )
     log_level: str = _f(
         "info", "log level", choices=("critical", "error", "warning", "info", "debug")
     )
     access_log: bool = _f(False, "log every HTTP request (costs CPU under load)")
     graceful_shutdown_secs: float = _f(
-        5.0, "once told to stop, requests still running after this end with a 503"
+        5.0, "once told to stop, requests still running after this end with a 503", ge=0
     )
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if self.sim_vocab_size != SIM_VOCAB_SIZE and self.sim is None:  # refused, not ignored
             raise ValueError("--sim-vocab-size needs --sim (a real model has its own vocabulary)")
         if self.sim is not None:  # an unknown preset: one line here, not a scheduler traceback
             from radixserve.sim.costmodel import get_cost_model
 
             get_cost_model(self.sim)
-        if self.sim_vocab_size < 3:
-            raise ValueError(f"sim_vocab_size must be >= 3, got {self.sim_vocab_size}")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if self.max_payload_size < 1 or self.max_batch_size < 1:
-            raise ValueError("max_payload_size and max_batch_size must be >= 1")
-        if not self.graceful_shutdown_secs >= 0:
-            raise ValueError("graceful_shutdown_secs must be >= 0")
 
     def public(self) -> dict[str, Any]:
         """Settings safe to show on /get_server_info (no secrets)."""

@@ -93,7 +93,7 @@ def chat_message(m: ChatMessage, i: int) -> dict[str, Any]:
         if any(p.type != "text" for p in content):
             raise ApiError(400, "only text content parts are supported", "unsupported_content",
                            f"messages.{i}.content")  # fmt: skip
-        content = "".join(p.text or "" for p in content)
+        content = "\n".join(p.text or "" for p in content)  # as vLLM joins text parts
     out = {"role": m.role, "content": content or ""}
     return out | {"name": m.name} if m.name else out
 

@@ -17,6 +17,7 @@ from starlette.requests import Request
 from radixserve.engine.engine import sampling_from
 from radixserve.engine.launch import EngineProcesses
 from radixserve.engine.tokenizer_manager import GenerateInput, RequestError, TokenizerManager
+from radixserve.sched.policy import orders_by_priority
 from radixserve.sched.request import SamplingParams, needs_logits
 from radixserve.server.config import ServerConfig
 from radixserve.server.errors import ApiError
@@ -51,8 +52,9 @@ class ServerState:
 
     def note_settings(self, sched: dict[str, Any]) -> None:
         """Remember what the scheduler's live settings mean for requests."""
-        on = sched["enable_priority_scheduling"] or sched["schedule_policy"] == "priority"
-        self.priority_scheduling = on
+        self.priority_scheduling = orders_by_priority(
+            sched["schedule_policy"], sched["enable_priority_scheduling"]
+        )
 
     def dead(self) -> str | None:
         """Why the engine cannot serve, or None while it can."""

@@ -10,13 +10,27 @@ import json
 import sys
 from typing import Any
 
-from radixserve.config import CacheConfig, SchedulerConfig, add_dataclass_args, from_args
-from radixserve.router.policies import POLICIES
+from radixserve.config import (
+    CacheConfig,
+    SchedulerConfig,
+    add_check,
+    add_dataclass_args,
+    bound_problem,
+    from_args,
+    writable_file,
+)
+from radixserve.router.policies.registry import POLICIES
+from radixserve.sched.validate import check_config
 from radixserve.sim.cluster import ClusterConfig, simulate
 from radixserve.sim.costmodel import COST_MODELS, get_cost_model
 from radixserve.sim.report import SimResult, format_table
 from radixserve.sim.runner import SimRunner
-from radixserve.sim.workload_args import add_workload_args, finite, make_requests
+from radixserve.sim.workload_args import (
+    add_workload_args,
+    finite,
+    make_requests,
+    workload_config,
+)
 from radixserve.sim.workloads import block_hit_rate, ideal_prefix_hit_rate
 
 # flags that take several values: every combination is one run of the comparison
@@ -42,9 +56,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         ),
     )
     add_workload_args(parser)
-    add_dataclass_args(parser, ClusterConfig, "cluster")
-    add_dataclass_args(parser, SchedulerConfig, "engine scheduler")
-    add_dataclass_args(parser, CacheConfig, "engine cache")
+    add_dataclass_args(parser, ClusterConfig, "cluster", check=False)
+    add_dataclass_args(parser, SchedulerConfig, "engine scheduler", check=False)
+    add_dataclass_args(parser, CacheConfig, "engine cache", check=False)
     for action in parser._actions:
         if action.dest in _SWEPT:
             action.nargs, action.default = "+", [_SWEPT[action.dest]]
@@ -57,18 +71,49 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         if action.dest == "max_wait_ms":
             action.type, action.metavar = _ms_or_none, "MS"
     out = parser.add_argument_group("output")
-    out.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    out.add_argument("--plot", metavar="PNG", help="plot the comparison (needs matplotlib)")
+    out.add_argument("--json", metavar="PATH", type=writable_file, help="write the results as JSON")
+    out.add_argument(
+        "--plot", metavar="PNG", type=writable_file, help="plot the comparison (needs matplotlib)"
+    )
     out.add_argument(
         "--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar"
     )
+    add_check(parser, _configs)  # every setting is checked before the simulation starts
     parser.set_defaults(run=run)
     return parser
 
 
 def _ms_or_none(text: str) -> float | None:
     """``--max-wait-ms none`` sweeps the unbounded case beside bounded ones."""
-    return None if text.lower() == "none" else float(text)
+    if text.lower() == "none":
+        return None
+    ms = float(text)
+    meta = SchedulerConfig.__dataclass_fields__["max_wait_ms"].metadata
+    if problem := bound_problem(ms, meta):
+        raise argparse.ArgumentTypeError(problem)
+    return ms
+
+
+def _configs(args: argparse.Namespace) -> tuple[ClusterConfig, CacheConfig, SchedulerConfig]:
+    """The fleet, its engines' cache and scheduler (swept settings at their defaults: each swept
+    value was checked alone) and the workload's config; ValueError says what is wrong."""
+    if args.plot:
+        from radixserve.sim.plot import import_pyplot
+
+        try:
+            import_pyplot()
+        except RuntimeError as e:  # --plot without matplotlib
+            raise ValueError(str(e)) from None
+    plain = {k: v for k, v in vars(args).items() if k not in _SWEPT}
+    base = argparse.Namespace(**plain, **{k: v for k, v in _SWEPT.items()})
+    cluster = from_args(ClusterConfig, base)
+    if args.max_total_tokens is None:
+        base.max_total_tokens = get_cost_model(cluster.preset).kv_capacity_tokens
+    cache = from_args(CacheConfig, base)
+    sched = from_args(SchedulerConfig, base)
+    check_config(sched, cache.page_size)
+    workload_config(args)
+    return cluster, cache, sched
 
 
 def _runs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
@@ -98,16 +143,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    if args.plot:  # before the simulation, not after it
-        from radixserve.sim.plot import import_pyplot
-
-        import_pyplot()
-    plain = {k: v for k, v in vars(args).items() if k not in _SWEPT}
-    base = argparse.Namespace(**plain, **{k: v for k, v in _SWEPT.items()})
-    cluster = from_args(ClusterConfig, base)
-    if args.max_total_tokens is None:
-        base.max_total_tokens = get_cost_model(cluster.preset).kv_capacity_tokens
-    cache = from_args(CacheConfig, base)
+    cluster, cache, base_sched = _configs(args)
     runner = SimRunner(cluster.preset, seed=cluster.sim_seed)
     workload, requests = make_requests(args, runner.generate)
     if not requests:
@@ -120,7 +156,7 @@ def _run(args: argparse.Namespace) -> int:
     results = []
     for label, over in _runs(args):
         sched = dataclasses.replace(
-            from_args(SchedulerConfig, base),
+            base_sched,
             schedule_policy=over["schedule_policy"],
             max_wait_ms=over["max_wait_ms"],
         )
@@ -142,7 +178,7 @@ def _run(args: argparse.Namespace) -> int:
             print(f"{r.label}: {r.block_hit_rate:.1%} of prompt blocks hit (best {ideal:.1%})")
     print(_speed(results))
     if args.json:
-        doc_sched = dataclasses.asdict(from_args(SchedulerConfig, base))
+        doc_sched = dataclasses.asdict(base_sched)
         _write_json(args.json, args.workload, workload, cluster, cache, doc_sched, results)
     if args.plot:
         from radixserve.sim.plot import plot_results

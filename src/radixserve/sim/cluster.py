@@ -25,14 +25,10 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from radixserve.config import CacheConfig, SchedulerConfig
-from radixserve.router.index import PrefixIndex
-from radixserve.router.policies import (
-    CachePolicyConfig,
-    RequestView,
-    WorkerView,
-    create_policy,
-)
+from radixserve.config import CacheConfig, SchedulerConfig, check_fields
+from radixserve.router.policies.base import RequestView, WorkerView
+from radixserve.router.policies.config import CachePolicyConfig
+from radixserve.router.policies.registry import create_policy, policy_names
 from radixserve.sched.batch import Batch, StepResult
 from radixserve.sched.request import Req, SamplingParams
 from radixserve.sched.scheduler import Scheduler
@@ -44,7 +40,6 @@ from radixserve.sim.workloads import Chains, WorkloadRequest
 
 _ARRIVE, _DONE, _WAKE = 0, 1, 2
 PROGRESS_MIN_REQUESTS = 5000  # a progress bar only for runs this long (when asked for one)
-_POLICY = CachePolicyConfig()
 
 
 def _f(default: object, help: str, **kw: object) -> object:
@@ -55,43 +50,26 @@ def _f(default: object, help: str, **kw: object) -> object:
 class ClusterConfig:
     """The simulated fleet: how many engines, on which GPU and model, behind which router."""
 
-    engines: int = _f(8, "engines (workers) behind the router")
-    router: str = _f("cache_aware", "router policy (as `radixserve route --policy`)")
+    engines: int = _f(8, "engines (workers) behind the router", ge=1)
+    router: str = _f(
+        "cache_aware", "router policy (as `radixserve route --policy`)", choices=policy_names()
+    )
     preset: str = _f("llama3-8b-h100", "cost model of every engine: GPU and model")
     max_concurrency: int | None = _f(
-        None, "most requests in flight; later ones wait client-side (None: open loop)"
+        None, "most requests in flight; later ones wait client-side (None: open loop)", ge=1
     )
     sim_seed: int = _f(0, "seed of the router policy and of the simulated runners")
-    cache_threshold: float = _f(_POLICY.cache_threshold, "cache_aware: see `radixserve route`")
-    balance_abs_threshold: int = _f(_POLICY.balance_abs_threshold, "cache_aware: load gap")
-    balance_rel_threshold: float = _f(_POLICY.balance_rel_threshold, "cache_aware: load ratio")
-    eviction_interval_secs: float = _f(
-        _POLICY.eviction_interval_secs, "cache_aware: virtual seconds between tree evictions"
-    )
-    max_tree_size: int = _f(_POLICY.max_tree_size, "cache_aware: tree units kept per worker")
-    share_slack: float = _f(
-        _POLICY.share_slack, "cache_aware: share above the mean past which hits spill (inf: never)"
+    cache_policy: CachePolicyConfig = field(
+        default_factory=CachePolicyConfig,
+        metadata={"help": "the router policy's settings, as `radixserve route`'s"},
     )
     decode_runs: bool = _f(
         True, "advance runs of pure decode steps in one event (same results, faster)"
     )
-    cache_aware_scheduling_min_tokens: int = _f(
-        _POLICY.cache_aware_scheduling_min_tokens, "kv_aware: shorter prompts go by load alone"
-    )
-    warmup_secs: float = _f(
-        _POLICY.warmup_secs, "cache_aware: virtual seconds over which a joining engine ramps up"
-    )
 
     def __post_init__(self) -> None:
-        if self.engines < 1:
-            raise ValueError(f"engines must be >= 1, got {self.engines}")
-        if self.max_concurrency is not None and self.max_concurrency < 1:
-            raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+        check_fields(self)
         get_cost_model(self.preset)  # unknown presets fail here, listing the known ones
-        self.policy_config()
-
-    def policy_config(self) -> CachePolicyConfig:
-        return CachePolicyConfig.taken_from(self)
 
 
 def default_cache_config(config: ClusterConfig) -> CacheConfig:
@@ -158,13 +136,9 @@ class ClusterSim:
             for i in range(config.engines)
         ]
         self._views = [e.view() for e in self.engines]  # kept current as loads change
-        self.policy = create_policy(config.router, config.policy_config(), config.sim_seed)
-        index = getattr(self.policy, "index", None)  # kv_aware: fed by the engines' caches
-        self._feed = (
-            KvFeed([e.sched.cache for e in self.engines], index)
-            if isinstance(index, PrefixIndex)
-            else None
-        )
+        self.policy = create_policy(config.router, config.cache_policy, config.sim_seed)
+        index = self.policy.index  # kv_aware: fed by the engines' caches
+        self._feed = None if index is None else KvFeed([e.sched.cache for e in self.engines], index)
         self._events: list[tuple[float, int, int, int]] = []
         self._seq = 0
         self._live: dict[str, tuple[Req, _Engine, RequestView]] = {}
@@ -384,13 +358,12 @@ class ClusterSim:
         """Recount every engine's KV accounting and the router's tree."""
         for eng in self.engines:
             eng.sched.check_integrity()
-        tree = getattr(self.policy, "tree", None)
-        if tree is not None:
-            tree.check_integrity()
+        if self.policy.tree is not None:
+            self.policy.tree.check_integrity()
         if self._feed is not None:
             for tracker in self._feed.trackers:
                 tracker.check()
-            getattr(self._feed.index, "check_integrity", lambda: None)()
+            self._feed.index.check_integrity()
 
 
 @contextmanager

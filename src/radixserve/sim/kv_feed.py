@@ -8,8 +8,8 @@ from collections.abc import Sequence
 
 from radixserve.cache.block_events import BlockTracker
 from radixserve.cache.radix import RadixCache
-from radixserve.router.event_format import parse_event
-from radixserve.router.index import PrefixIndex
+from radixserve.router.kvindex.block_index import BlockIndex
+from radixserve.router.kvindex.event_format import parse_event
 
 BLOCK_SIZE = 16
 """Tokens per announced block: the engine's default (``--kv-events-config``)."""
@@ -19,7 +19,7 @@ class KvFeed:
     """Engine ``i``'s events go into ``index`` as worker ``i`` (the simulator's worker ids)."""
 
     def __init__(
-        self, caches: Sequence[RadixCache], index: PrefixIndex, block_size: int = BLOCK_SIZE
+        self, caches: Sequence[RadixCache], index: BlockIndex, block_size: int = BLOCK_SIZE
     ) -> None:
         self.index = index
         self.trackers = [BlockTracker(cache, block_size) for cache in caches]

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from radixserve.modelfiles.sim_tokenizer import SIM_VOCAB_SIZE
 from radixserve.sched.batch import Batch, StepResult
 from radixserve.sim.costmodel import CostModel, StepEntry, get_cost_model
-from radixserve.sim.workloads import SIM_VOCAB_SIZE
 
 _MASK64 = (1 << 64) - 1
 

@@ -6,15 +6,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import types
 import typing
 from collections.abc import Callable
 from typing import Any
 
+from radixserve.config import bounded
 from radixserve.sim.workloads import (
     WORKLOADS,
     MultiTurnConfig,
     ReplyFn,
+    TraceConfig,
     WorkloadRequest,
     multi_turn_chat,
 )
@@ -31,14 +34,15 @@ def _base_type(tp: Any) -> Any:
 _ALIASES = {"path": ("--trace", "--path"), "seed": ("--workload-seed",)}
 
 
-def _fields() -> dict[str, tuple[Any, list[str], str]]:
-    """field name -> (type, workloads that have it, help) over every workload config."""
-    out: dict[str, tuple[Any, list[str], str]] = {}
+def _fields() -> dict[str, tuple[Any, list[str], Any]]:
+    """field name -> (type, workloads that have it, metadata: help and bounds) over every
+    workload config."""
+    out: dict[str, tuple[Any, list[str], Any]] = {}
     for name, (cls, _) in WORKLOADS.items():
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             if f.name not in out:
-                out[f.name] = (_base_type(hints[f.name]), [], f.metadata.get("help", ""))
+                out[f.name] = (_base_type(hints[f.name]), [], f.metadata)
             out[f.name][1].append(f"{name}: {f.default}")
     return out
 
@@ -52,14 +56,14 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
         default="generated-shared-prefix",
         help="which requests to send",
     )
-    for name, (tp, defaults, help) in _fields().items():
+    for name, (tp, defaults, meta) in _fields().items():
         flags = _ALIASES.get(name, ("--" + name.replace("_", "-"),))
         kw: dict[str, Any] = {"dest": f"wl_{name}", "default": None}
-        kw["help"] = f"{help} (defaults: {'; '.join(defaults)})"
+        kw["help"] = f"{meta.get('help', '')} (defaults: {'; '.join(defaults)})"
         if tp is bool:
             group.add_argument(*flags, action=argparse.BooleanOptionalAction, **kw)
         else:
-            group.add_argument(*flags, type=tp, metavar=name.upper(), **kw)
+            group.add_argument(*flags, type=bounded(tp, **meta), metavar=name.upper(), **kw)
 
 
 def workload_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -73,12 +77,23 @@ def workload_options(args: argparse.Namespace) -> dict[str, Any]:
     return given
 
 
+def workload_config(args: argparse.Namespace) -> Any:
+    """The chosen workload's config from the flags (a trace is checked, not read, here)."""
+    cls, _ = WORKLOADS[args.workload]
+    config = cls(**workload_options(args))
+    if cls is TraceConfig and config.path is None:
+        raise ValueError("--workload trace needs --trace PATH")
+    if cls is TraceConfig and not os.path.isfile(config.path):
+        raise ValueError(f"--trace {config.path}: no such file")
+    return config
+
+
 def make_requests(
     args: argparse.Namespace, reply_fn: ReplyFn | None = None
 ) -> tuple[Any, list[WorkloadRequest]]:
     """The workload's config and its requests; chat replies come from ``reply_fn`` if given."""
     cls, generate = WORKLOADS[args.workload]
-    config = cls(**workload_options(args))
+    config = workload_config(args)
     if cls is MultiTurnConfig:
         chat: Callable[..., list[WorkloadRequest]] = multi_turn_chat
         return config, chat(config, reply_fn)

@@ -13,16 +13,19 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from radixserve.config import check_fields
+from radixserve.modelfiles.sim_tokenizer import (  # noqa: F401  (re-exported: workloads as text)
+    SIM_VOCAB_SIZE,
+    parse_text,
+    render_text,
+)
 from radixserve.sim.trace_tokens import TRACE_BLOCK_TOKENS, TraceTokens
-
-SIM_VOCAB_SIZE = 32000
-"""Token ids of simulated workloads and of the simulated tokenizer are in [0, SIM_VOCAB_SIZE)."""
 
 ReplyFn = Callable[[list[int], int], list[int]]  # (prompt ids, n) -> the assistant's n tokens
 
 
-def _opt(default: Any, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
+def _opt(default: Any, help: str, **bounds: Any) -> Any:
+    return field(default=default, metadata={"help": help, **bounds})
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,11 +104,12 @@ class SharedPrefixConfig:
     output_len: int = _opt(256, "tokens to generate per request")
     range_ratio: float = _opt(1.0, "lengths drawn uniformly from [ratio * len, len]")
     ordered: bool = _opt(False, "keep group order instead of shuffling the requests")
-    request_rate: float = _opt(math.inf, "Poisson arrivals per second (inf: all at time 0)")
-    vocab_size: int = _opt(SIM_VOCAB_SIZE, "token ids are drawn from [0, vocab_size)")
+    request_rate: float = _opt(math.inf, "Poisson arrivals per second (inf: all at time 0)", gt=0)
+    vocab_size: int = _opt(SIM_VOCAB_SIZE, "token ids are drawn from [0, vocab_size)", ge=3)
     seed: int = _opt(0, "seed of the generator")
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if min(self.num_groups, self.prompts_per_group, self.system_prompt_len) < 1:
             raise ValueError("num_groups, prompts_per_group and system_prompt_len must be >= 1")
         if self.question_len < 0 or self.output_len < 1:
@@ -147,11 +151,14 @@ class MultiTurnConfig:
     user_len: int = _opt(128, "tokens of each user message")
     output_len: int = _opt(128, "tokens of each assistant reply")
     think_time_s: float = _opt(2.0, "seconds between a turn and the session's next one")
-    request_rate: float = _opt(math.inf, "sessions started per second, Poisson (inf: all at 0)")
-    vocab_size: int = _opt(SIM_VOCAB_SIZE, "token ids are drawn from [0, vocab_size)")
+    request_rate: float = _opt(
+        math.inf, "sessions started per second, Poisson (inf: all at 0)", gt=0
+    )
+    vocab_size: int = _opt(SIM_VOCAB_SIZE, "token ids are drawn from [0, vocab_size)", ge=3)
     seed: int = _opt(0, "seed of the generator")
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if min(self.num_sessions, self.turns, self.user_len, self.output_len) < 1:
             raise ValueError("num_sessions, turns, user_len and output_len must be >= 1")
         if self.think_time_s < 0:
@@ -215,11 +222,12 @@ class PrefixMixConfig:
     system_prompt_len: int = _opt(256, "tokens of each system prompt")
     question_len: int = _opt(16, "tokens after the system prompt")
     output_len: int = _opt(8, "tokens to generate per request")
-    request_rate: float = _opt(100.0, "Poisson arrivals per second (inf: all at time 0)")
-    vocab_size: int = _opt(SIM_VOCAB_SIZE, "token ids are drawn from [0, vocab_size)")
+    request_rate: float = _opt(100.0, "Poisson arrivals per second (inf: all at time 0)", gt=0)
+    vocab_size: int = _opt(SIM_VOCAB_SIZE, "token ids are drawn from [0, vocab_size)", ge=3)
     seed: int = _opt(0, "seed of the generator")
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if min(self.num_requests, self.num_prefixes, self.system_prompt_len, self.output_len) < 1:
             raise ValueError(
                 "num_requests, num_prefixes, system_prompt_len and output_len must be >= 1"
@@ -267,12 +275,13 @@ class TraceConfig:
 
     path: str | None = _opt(None, "the trace file (JSONL)")
     limit: int | None = _opt(None, "replay only the first N requests")
-    request_rate: float | None = _opt(None, "Poisson arrivals per second (None: trace times)")
+    request_rate: float | None = _opt(None, "Poisson arrivals per second (None: trace times)", gt=0)
     block_tokens: int = _opt(512, "tokens generated per 512-token block (less shrinks prompts)")
-    vocab_size: int = _opt(SIM_VOCAB_SIZE, "token ids are drawn from [0, vocab_size - 1)")
+    vocab_size: int = _opt(SIM_VOCAB_SIZE, "token ids are drawn from [0, vocab_size - 1)", ge=3)
     seed: int = _opt(0, "seed of the Poisson arrivals")
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if self.vocab_size < 3:
             raise ValueError(f"vocab_size must be >= 3, got {self.vocab_size}")
         if not 1 <= self.block_tokens <= TRACE_BLOCK_TOKENS:
@@ -403,41 +412,6 @@ def block_hit_rate(requests: Iterable[WorkloadRequest | TraceRecord]) -> float:
 # --- text ------------------------------------------------------------------------------------
 
 # 16 consonants x 4 vowels: a token id is written as its base-64 digits, one syllable each
-_SYLLABLES = [c + v for c in "bcdfghjklmnprstv" for v in "aeio"]
-_SYLLABLE_INDEX = {s: i for i, s in enumerate(_SYLLABLES)}
-
-
-def render_text(input_ids: Iterable[int]) -> str:
-    """One word per token id, space separated; equal id prefixes give equal text prefixes."""
-    return " ".join(_word(i) for i in input_ids)
-
-
-def parse_text(text: str) -> list[int]:
-    """The token ids that ``render_text`` wrote."""
-    return [_word_id(w) for w in text.split()]
-
-
-def _word(token_id: int) -> str:
-    if token_id < 0:
-        raise ValueError(f"token ids must be >= 0, got {token_id}")
-    digits = []
-    while True:
-        token_id, d = divmod(token_id, 64)
-        digits.append(_SYLLABLES[d])
-        if token_id == 0:
-            return "".join(reversed(digits))
-
-
-def _word_id(word: str) -> int:
-    if len(word) % 2:
-        raise ValueError(f"not a rendered token: {word!r}")
-    value = 0
-    for k in range(0, len(word), 2):
-        digit = _SYLLABLE_INDEX.get(word[k : k + 2])
-        if digit is None:
-            raise ValueError(f"not a rendered token: {word!r}")
-        value = value * 64 + digit
-    return value
 
 
 # --- registry --------------------------------------------------------------------------------

@@ -66,6 +66,13 @@ function buildControls(settings) {
   const def = WAIT_STOPS.indexOf(settings.max_wait_ms.default);
   box.appendChild(slider("max_wait_ms", "fairness bound max_wait_ms", 0, WAIT_STOPS.length - 1, 1,
     def < 0 ? 3 : def, (i) => waitLabel(WAIT_STOPS[i])));
+  const note = document.createElement("p");
+  note.id = "max_wait_ms-note";
+  note.className = "note";
+  note.textContent = `Starts at ${waitLabel(settings.max_wait_ms.default)}, the default of ` +
+    "radixserve serve --max-wait-ms: a request waiting longer is admitted ahead of cache order. " +
+    "The fairness chart sweeps it from 0 to unbounded.";
+  box.appendChild(note);
   const fs = $("policies");
   for (const p of settings.policies.choices) {
     const l = document.createElement("label");
@@ -214,26 +221,89 @@ function drawCurve(points) {
   });
 }
 
-// writes each point's fairness bound beside it; equal points share one label ("1000 ms = unbounded")
+// writes each point's fairness bound beside it; equal points share one label ("1000 ms = unbounded").
+// Points of a sweep often lie close together, so each label takes the first spot around its point
+// (right, left, above, below, then farther out with a leader line) that covers no other label and
+// no point, stays inside the plot, and crosses the line least.
+const LABEL_FONT = "11px system-ui, sans-serif";
+const POINT_RADIUS = 5;
+const overlaps = (a, b, pad = 0) =>
+  a.x0 < b.x1 + pad && b.x0 < a.x1 + pad && a.y0 < b.y1 + pad && b.y0 < a.y1 + pad;
+
+function labelSpots(pt, w, h) {
+  const r = POINT_RADIUS + 3;
+  const spots = [];
+  for (let ring = 0; ring < 5; ring++) {
+    const d = ring * (h + 4);
+    const ys = [pt.y - h / 2, pt.y - r - h - d, pt.y + r + d]; // level, above, below
+    for (const y of ring ? ys.slice(1) : ys) {
+      for (const x of [pt.x + r, pt.x - r - w, pt.x - w / 2]) spots.push({ x0: x, y0: y, x1: x + w, y1: y + h, ring });
+    }
+  }
+  return spots;
+}
+
+function crossings(box, segments) {
+  let n = 0;
+  for (const [a, b] of segments) {
+    for (let t = 0; t <= 1; t += 0.05) {
+      const x = a.x + t * (b.x - a.x), y = a.y + t * (b.y - a.y);
+      if (x > box.x0 && x < box.x1 && y > box.y0 && y < box.y1) { n += 1; break; }
+    }
+  }
+  return n;
+}
+
+function placeLabels(c, ctx) {
+  const meta = c.getDatasetMeta(0);
+  const groups = new Map();
+  meta.data.forEach((pt, i) => {
+    const key = `${Math.round(pt.x)},${Math.round(pt.y)}`;
+    if (!groups.has(key)) groups.set(key, { pt, names: [] });
+    groups.get(key).names.push(waitLabel(c.data.datasets[0].data[i].bound));
+  });
+  const area = c.chartArea;
+  const markers = meta.data.map((p) => ({ x0: p.x - POINT_RADIUS, y0: p.y - POINT_RADIUS, x1: p.x + POINT_RADIUS, y1: p.y + POINT_RADIUS }));
+  const segments = meta.data.slice(1).map((p, i) => [meta.data[i], p]);
+  const placed = [];
+  for (const { pt, names } of groups.values()) {
+    const text = names.join(" = ");
+    const m = ctx.measureText(text);
+    const w = m.width, h = m.actualBoundingBoxAscent + m.actualBoundingBoxDescent;
+    let best = null, bestCost = Infinity;
+    for (const [order, s] of labelSpots(pt, w, h).entries()) {
+      const inside = s.x0 >= area.left && s.x1 <= area.right && s.y0 >= area.top && s.y1 <= area.bottom;
+      if (!inside || placed.some((o) => overlaps(s, o.box, 3)) || markers.some((o) => overlaps(s, o, 1))) continue;
+      const cost = 100 * s.ring + 150 * crossings(s, segments) + order / 100; // a line through the text reads worse than a leader
+      if (cost < bestCost) { best = s; bestCost = cost; }
+    }
+    // nowhere free (a crowded phone-sized chart): the first spot, as before
+    placed.push({ text, pt, box: best ?? labelSpots(pt, w, h)[0], ascent: m.actualBoundingBoxAscent });
+  }
+  return placed;
+}
+
 const boundLabels = {
   id: "boundLabels",
   afterDatasetsDraw(c) {
-    const meta = c.getDatasetMeta(0);
-    const groups = new Map();
-    meta.data.forEach((pt, i) => {
-      const key = `${Math.round(pt.x)},${Math.round(pt.y)}`;
-      if (!groups.has(key)) groups.set(key, { pt, names: [] });
-      groups.get(key).names.push(waitLabel(c.data.datasets[0].data[i].bound));
-    });
     const ctx = c.ctx;
     ctx.save();
-    ctx.font = "11px system-ui, sans-serif";
+    ctx.font = LABEL_FONT;
+    ctx.textAlign = "left";
+    ctx.textBaseline = "alphabetic";
+    const placed = placeLabels(c, ctx);
     ctx.fillStyle = "#1d2330";
-    for (const { pt, names } of groups.values()) {
-      const text = names.join(" = ");
-      const { left, right } = c.chartArea;
-      const x = Math.max(left + 2, Math.min(pt.x + 8, right - ctx.measureText(text).width - 2));
-      ctx.fillText(text, x, pt.y - 8);
+    ctx.strokeStyle = "#8a93a3";
+    ctx.lineWidth = 1;
+    for (const { text, pt, box, ascent } of placed) {
+      if (box.ring) { // a leader line from the point to the label's nearest edge
+        const x = Math.max(box.x0, Math.min(pt.x, box.x1)), y = pt.y < box.y0 ? box.y0 : box.y1;
+        ctx.beginPath();
+        ctx.moveTo(pt.x, pt.y + Math.sign(y - pt.y) * POINT_RADIUS);
+        ctx.lineTo(x, y);
+        ctx.stroke();
+      }
+      ctx.fillText(text, box.x0, box.y0 + ascent);
     }
     ctx.restore();
   },

@@ -1,0 +1,44 @@
+"""PURE: the interface of a lower KV tier as kv_aware reads it: per worker, how many leading
+tokens of the request being routed it could load instead of computing (from its host tier, or
+from a KV store every worker reads, such as Mooncake Store through its master's metadata)."""
+
+# A source answers for the request its owner last prepared (the I/O happens before `select`,
+# outside the policy, as for the Redis index); None means it cannot answer now (its service is
+# down and gated): kv_aware then scores from device holdings and the approximate tree alone.
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+
+KeysFor = Callable[[int], Sequence[int]]  # block size -> the request's block keys (block_index)
+
+
+class TierSource(ABC):
+    """Leading prompt tokens each worker can load from a lower tier."""
+
+    name: str = "lower"
+
+    @abstractmethod
+    def loadable_tokens(
+        self, workers: Iterable[Hashable], keys_for: KeysFor
+    ) -> dict[Hashable, int] | None:
+        """For each worker among ``workers`` that can load some of the prompt, how many leading
+        tokens; None when the source cannot answer. ``keys_for`` gives the request's router
+        block keys at a block size, for a source that indexes blocks from KV events (a host
+        tier announced with vLLM's ``medium``); a source that looked the request up itself
+        (the KV store's metadata) ignores it."""
+
+
+class FixedTier(TierSource):
+    """A source answering from a fixed map (the simulator's, and tests'); None: down."""
+
+    def __init__(self, tokens: Mapping[Hashable, int] | None = None, name: str = "fixed") -> None:
+        self.tokens, self.name = tokens, name
+
+    def loadable_tokens(
+        self, workers: Iterable[Hashable], keys_for: KeysFor | None = None
+    ) -> dict[Hashable, int] | None:
+        if self.tokens is None:
+            return None
+        return {w: self.tokens[w] for w in workers if self.tokens.get(w)}

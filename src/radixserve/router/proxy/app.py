@@ -1,0 +1,396 @@
+"""The router's HTTP face: an asyncio + httptools server that proxies inference to workers
+(streams passed through as they arrive), retries failures elsewhere, and serves admin and metrics.
+
+Why not a framework: on a 2-core VM, aiohttp's server and client together cost more CPU per
+request than the 4 workers behind the router; see benchmarks/router_bench.py for the numbers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import logging
+import random
+import time
+from bisect import bisect_left
+from collections.abc import Callable
+from typing import NamedTuple
+
+from radixserve.router.policies.base import NoWorkerAvailable, RequestView
+from radixserve.router.policies.registry import create_policy
+from radixserve.router.policies.tree_keys import units
+from radixserve.router.proxy.admin import INFERENCE, Endpoints, Handler
+from radixserve.router.proxy.admission import Admission
+from radixserve.router.proxy.config import RouterConfig
+from radixserve.router.proxy.connections import ClientConn, Request, error_body
+from radixserve.router.proxy.kv_setup import KvRouting, open_kv_index
+from radixserve.router.proxy.metrics import BUCKETS, metrics_registry
+from radixserve.router.proxy.request_body import request_view
+from radixserve.router.proxy.worker_kinds import WorkerKinds, http_get
+from radixserve.router.proxy.workers import (
+    Headers,
+    UpstreamError,
+    Worker,
+    WorkerRegistry,
+    check_url,
+    resolve,
+)
+
+try:  # 5x faster on long prompts; the stdlib parser is the fallback
+    from orjson import loads
+except ImportError:  # pragma: no cover
+    from json import loads
+
+log = logging.getLogger("radixserve.router")
+
+RETRYABLE = frozenset({502, 503, 504})  # a 500 may be the request's own fault: not retried
+PARSE_INLINE = 1 << 20  # bodies above this are parsed in a thread, not on the event loop
+
+
+class Router(Endpoints):
+    """The router: its registry, policy, metrics and HTTP endpoints."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        # Redis (the optional extra) is imported only for --kv-index redis://
+        self.kvs, self.policy = open_kv_index(config, self._worker_id)
+        if self.kvs is None:
+            self.policy = create_policy(config.policy, config.cache_policy)
+        self.policy.defer_eviction = True  # off the dispatch path: see _evict_in_slices
+        self._evicting: asyncio.Task[None] | None = None
+        self.registry = WorkerRegistry(config.health, self.policy.on_worker_removed)
+        # kv_aware: an index fed by the workers' KV events, prompts tokenized as they do
+        has_index = self.policy.index is not None
+        # on Redis the kv-indexer follows the events; on Mooncake the router does, as in memory
+        subscribe = self.kvs is None or self.policy.index is not self.kvs
+        store = self.kvs if self.kvs is not None and subscribe else None
+        self.kv = KvRouting(self.policy, config.tokenizer, subscribe, store) if has_index else None
+        self.registry.poll_loads = True  # _read_load asks each kind for its own load report
+        self.registry.load_reader = self._read_load
+        overrides = {check_url(u): src for u, src in config.kv_event_overrides().items()}
+        self.kinds = WorkerKinds(config.worker_type, overrides)
+        self.registry.reported = self.kinds.reported  # overload thresholds read these first
+        self.registry.auth = self._worker_auth()
+        self._admitting: set[asyncio.Task[bool]] = set()
+        self.retries, self.failed = 0, {502: 0, 503: 0, 504: 0}
+        self.decisions = [0] * (len(BUCKETS) + 1)
+        self.decision_sum = 0.0
+        self.connections = 0
+        self.admission = Admission(
+            config.max_concurrent_requests, config.queue_size, config.queue_timeout_secs
+        )
+        self.server: asyncio.AbstractServer | None = None
+        self._ticker: asyncio.Task[None] | None = None
+        self.routes: dict[str, dict[str, Handler]] = {}
+        self.add_routes()
+        self.metrics_registry = metrics_registry(self)
+
+    async def start(self) -> int:
+        """Listen and start background work; returns the bound port. Unreachable workers do not
+        delay this: health checks and the circuit breaker find them out."""
+        for url in self.config.worker_urls:
+            worker = self.registry.add(url, await resolve(url))
+            self.kinds.register(worker.id, worker.url)
+            self.admit_later(worker)  # in the background: an unreachable worker delays nothing
+        self.registry.start()
+        if self.config.cache_policy.eviction_interval_secs > 0:
+            self._ticker = asyncio.get_running_loop().create_task(self._tick_loop())
+        self.server = await asyncio.get_running_loop().create_server(
+            lambda: ClientConn(self), self.config.host, self.config.port, backlog=4096
+        )
+        return self.server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        for task in (self._ticker, self._evicting, *self._admitting):
+            if task is not None:
+                task.cancel()
+        if self.kv is not None:
+            await self.kv.stop()
+        await self.registry.stop()
+        if self.kvs is not None:
+            await self.kvs.close()
+
+    def _worker_id(self, url: str) -> str | None:
+        worker = self.registry.by_url(url)
+        return None if worker is None else worker.id
+
+    def admit_later(self, worker: Worker) -> None:
+        """admit(worker) in the background, waiting for the worker to answer first."""
+        task = asyncio.get_running_loop().create_task(self.admit(worker, wait=True))
+        self._admitting.add(task)
+        task.add_done_callback(self._admitting.discard)
+
+    async def admit(self, worker: Worker, wait: bool = False) -> bool:
+        """Recognise the worker's kind (`wait`: until it answers); then, with kv_aware, check
+        its tokenizer and subscribe to its KV events; a worker that tokenizes differently is
+        removed (False)."""
+        get = http_get(worker.pool.request, self._worker_auth())
+        if self.kv is not None:  # otherwise recognised when first needed (a load read, a flush)
+            while await self.kinds.identify(worker.id, worker.url, get) is None and wait:
+                await asyncio.sleep(self.config.health.health_check_interval_secs or 2.0)
+        if self.kv is None or not self.kv.subscribe:
+            why = "on Redis: `radixserve kv-indexer` follows them" if self.kv else "policy "
+            self.kinds.not_following(worker.id, worker.url, why if self.kv else
+                                     why + self.config.policy + " does not read KV events")  # fmt: skip
+        if self.kv is None:
+            return True
+        fetch = self.kinds.adapter(worker.id, worker.url, get)
+        if await self.kv.admit(worker.id, worker.url, fetch):
+            return True
+        self.registry.remove(worker)
+        self.kinds.forget(worker.id)
+        return False
+
+    async def _read_load(self, worker: Worker) -> None:
+        """After a good probe: the worker's own load report, by kind (vLLM's /metrics,
+        SGLang's /v1/loads, ours /get_loads); its waiting prefill tokens go to the policy."""
+        get = http_get(
+            worker.pool.request, self._worker_auth(), self.config.health.health_check_timeout_secs
+        )
+        kind = await self.kinds.identify(worker.id, worker.url, get)
+        if kind is None or (kind == "radixserve" and self.kv is None):
+            return  # ours only matter to kv_aware's pending-prefill accounting
+        load = await self.kinds.read_load(worker.id, worker.url, get)
+        tokens = None if load is None else load.waiting_prefill_tokens
+        at = self.kinds.state(worker.id).load_at
+        worker.prefill_tokens, worker.reported_at = (
+            (tokens, at) if tokens is not None else (None, float("-inf"))
+        )
+        # ours: what loading a token from a lower tier costs against prefilling one
+        worker.kv_load_ratio = None if load is None else load.kv_load_ratio
+
+    async def _tick_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.cache_policy.eviction_interval_secs)
+            self.policy.tick(time.monotonic())
+            self._maybe_evict()
+
+    def _maybe_evict(self) -> None:
+        if self.policy.evict_due and self._evicting is None:
+            self._evicting = asyncio.get_running_loop().create_task(self._evict_in_slices())
+
+    async def _evict_in_slices(self) -> None:
+        """Trim the prefix tree a slice at a time, letting requests through between slices
+        (a whole-tree walk at once stalled every request behind it: 32-36 ms at 8,000 chars)."""
+        try:
+            for _ in self.policy.eviction_slices():
+                await asyncio.sleep(0)
+        finally:
+            self._evicting = None
+
+    # ----- dispatch -----
+
+    async def handle(self, conn: ClientConn, req: Request) -> None:
+        """Answer one request; never raises (a handler bug becomes a 500 with an error body, or
+        an error event that ends a stream already under way)."""
+        try:  # inference inline: each coroutine layer costs requests/s
+            if req.path in INFERENCE and req.method == "POST":
+                if self._authorized(req, self.config.api_key, conn):
+                    adm = self.admission
+                    if adm.try_acquire() or await adm.acquire():
+                        try:
+                            await self.proxy(conn, req)
+                        finally:
+                            adm.release()
+                    else:
+                        self._overloaded(conn)
+            else:
+                await self.answer_admin(conn, req)
+        except Exception:
+            log.exception("error while answering %s %s (request %s)", req.method, req.path,
+                          req.rid)  # fmt: skip
+            if conn.streaming:
+                conn.abort_stream(500, "internal router error", keep_alive=False)
+            else:
+                conn.send_json(500, error_body(500, "internal router error"), keep_alive=False)
+
+    @staticmethod
+    def _authorized(req: Request, key: str | None, conn: ClientConn) -> bool:
+        if key is None or hmac.compare_digest(req.auth, b"Bearer " + key.encode()):
+            return True
+        conn.send_json(401, error_body(401, "missing or wrong API key", "authentication_error"))
+        return False
+
+    # ----- proxying -----
+
+    def _overloaded(self, conn: ClientConn) -> None:
+        """No slot and no room in the queue."""
+        a = self.admission
+        self._shed(conn, f"the router is at capacity ({a.active} in flight, {a.queued} queued)")
+
+    def _shed(self, conn: ClientConn, msg: str) -> None:
+        """A 503 the client can retry: the router, or every worker, is at capacity."""
+        self.failed[503] += 1
+        body = error_body(503, msg, "service_unavailable", "overloaded")
+        conn.send_json(503, body, headers=b"Retry-After: 1\r\n")
+
+    async def proxy(self, conn: ClientConn, req: Request) -> None:
+        """Route, forward and relay one inference request, retrying elsewhere while nothing
+        has reached the client yet and the failure is one worth retrying."""
+        try:
+            if len(req.body) > PARSE_INLINE:  # big bodies are parsed (and tokenized) off the loop
+                view = await asyncio.to_thread(self._view, req.body)
+            else:
+                view = self._view(req.body)
+        except (ValueError, TypeError, AttributeError) as exc:
+            conn.send_json(400, error_body(400, f"request body is not a JSON object: {exc}"))
+            return
+        if req.session:
+            view = dataclasses.replace(view, routing_key=req.session)
+        tried: list[str] = []
+        lost = 0
+        for attempt in range(self.config.max_retries + 1):
+            if attempt:
+                self.retries += 1
+                await asyncio.sleep(self._backoff(attempt))
+            if self.kvs is not None:  # the shared index's answer, read by select just below
+                await self.kvs.prepare(view.token_ids, view.kv_namespace)
+            worker = self.pick(view, tried)
+            if worker is None:
+                break
+            failure = await self.attempt(conn, req, worker, view)
+            if failure is None:
+                return
+            tried.append(worker.id)
+            log.warning("request %s: attempt %d on %s failed: %s", req.rid, attempt + 1,
+                        worker.url, failure.why)  # fmt: skip
+            lost += failure.lost
+            if not failure.retry or lost > 1:  # a request that killed a worker kills no more
+                break
+        self.fail(conn, tried, failure.status if tried else 503)
+
+    def _view(self, body: bytes) -> RequestView:
+        """The routing view of a request body; with kv_aware, the prompt's token ids too."""
+        payload = loads(body)
+        view = request_view(payload)
+        return view if self.kv is None else self.kv.view(payload, view)
+
+    def _backoff(self, attempt: int) -> float:
+        """Exponential backoff with up to 50% jitter on top, so that retries of many requests
+        failed at once do not arrive together."""
+        cfg = self.config
+        base = min(cfg.retry_backoff_ms * 2 ** (attempt - 1), cfg.retry_max_backoff_ms) / 1000
+        return base * (1.0 + 0.5 * random.random())
+
+    def fail(self, conn: ClientConn, tried: list[str], status: int) -> None:
+        if tried:
+            msg = f"request failed on {len(tried)} attempt(s) ({', '.join(tried)})"
+        elif self.registry.overloaded and self.registry.routable():
+            self._shed(conn, "every worker reports a queue or KV usage past the overload threshold")
+            return
+        else:
+            status, msg = 503, "no healthy worker available"
+        self.failed[status] = self.failed.get(status, 0) + 1
+        conn.send_json(status, error_body(status, msg, "service_unavailable"))
+
+    def pick(self, view: RequestView, tried: list[str]) -> Worker | None:
+        """The policy's choice, avoiding workers this request already failed on while others
+        are left; the decision time is recorded."""
+        now, t0 = time.monotonic(), time.perf_counter()
+        workers = self.registry.workers
+        try:
+            index = self.policy.select(self.registry.views(now, tried), view, now)
+        except NoWorkerAvailable:
+            if not tried:
+                return None
+            try:  # every routable worker failed once already: let them try again
+                index = self.policy.select(self.registry.views(now), view, now)
+            except NoWorkerAvailable:
+                return None
+        elapsed = time.perf_counter() - t0
+        self.decisions[bisect_left(BUCKETS, elapsed)] += 1
+        self.decision_sum += elapsed
+        return workers[index]
+
+    def _worker_auth(self) -> bytes:
+        """The header line the router's own calls to the workers' keyed endpoints carry."""
+        key = self.config.worker_api_key
+        return b"Authorization: Bearer " + key.encode() + b"\r\n" if key is not None else b""
+
+    def _forward_headers(self, req: Request) -> bytes:
+        key = self.config.worker_api_key
+        auth = b"Bearer " + key.encode() if key is not None else req.auth
+        head = b"X-Request-Id: " + req.rid.encode() + b"\r\n"
+        return head + (b"Authorization: " + auth + b"\r\n" if auth else b"")
+
+    async def attempt(
+        self, conn: ClientConn, req: Request, worker: Worker, view: RequestView
+    ) -> Failure | None:
+        """One try on `worker`: None when the client got its answer, else why it failed."""
+        size, cfg = units(view.key), self.config
+        worker.load, worker.queued_units = worker.load + 1, worker.queued_units + size
+        worker.counts["requests"] += 1
+        worker.breaker.dispatched()
+        self.policy.on_dispatch(worker.id, view, time.monotonic())
+        self._maybe_evict()
+        streamed = False
+
+        def on_head(status: int, headers: Headers, chunked: bool) -> Callable[[bytes], None] | None:
+            nonlocal streamed
+            if not chunked or status >= 500:
+                return None  # buffered: a 5xx may be retried, and is not a stream anyway
+            streamed = True
+            conn.begin_stream(status, _passback(headers, req.rid), req.http11)
+            return conn.chunk
+
+        try:
+            resp = await worker.pool.request(
+                "POST", req.path, req.body, on_head, cfg.request_timeout_secs,
+                self._forward_headers(req), cfg.stream_timeout_secs, conn.bind,
+            )  # fmt: skip
+        except UpstreamError as exc:
+            why = Failure(str(exc), 504 if exc.timed_out else 502, exc.retryable, exc.lost)
+            return self._failed(conn, req, worker, why, streamed)
+        finally:
+            worker.load, worker.queued_units = worker.load - 1, worker.queued_units - size
+            worker.breaker.settled()
+            self.policy.on_complete(worker.id, view, time.monotonic())
+        if resp.status in RETRYABLE:
+            why = Failure(f"status {resp.status}", 502, True, False)
+            return self._failed(conn, req, worker, why, streamed)
+        worker.breaker.record(resp.status < 500, time.monotonic())
+        worker.counts["errors"] += resp.status >= 500
+        log.debug("request %s %s -> %s: %d", req.rid, req.path, worker.url, resp.status)
+        if streamed:
+            conn.end_stream(req.keep_alive)
+        else:
+            headers = _passback(resp.headers, req.rid)
+            conn.send(resp.status, None, resp.body, req.keep_alive, headers)
+        return None
+
+    def _failed(
+        self, conn: ClientConn, req: Request, worker: Worker, why: Failure, streamed: bool
+    ) -> Failure | None:
+        worker.counts["errors"] += 1
+        worker.breaker.record(False, time.monotonic())
+        if not streamed:
+            return why
+        # Bytes already reached the client: end the stream as OpenAI-compatible servers do.
+        log.warning("request %s: stream from %s cut: %s", req.rid, worker.url, why.why)
+        conn.abort_stream(502, f"worker failed mid-stream: {why.why}", req.keep_alive)
+        return None
+
+
+class Failure(NamedTuple):
+    """Why an attempt failed: what to answer if it is the last, and whether to try again."""
+
+    why: str
+    status: int
+    retry: bool
+    lost: bool
+
+
+# Hop-by-hop headers and those the router writes itself are not passed back.
+_HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"content-length",
+                  b"te", b"trailer", b"upgrade", b"proxy-authenticate", b"x-request-id"})  # fmt: skip
+
+
+def _passback(headers: Headers, rid: str) -> bytes:
+    """The worker's response headers worth passing to the client, as header lines."""
+    lines = [n + b": " + v + b"\r\n" for n, v in headers if n not in _HOP]
+    if not any(n == b"content-type" for n, _ in headers):
+        lines.append(b"Content-Type: application/json\r\n")
+    return b"".join(lines) + b"X-Request-Id: " + rid.encode() + b"\r\n"

@@ -1,0 +1,80 @@
+"""What the router reads of an inference request body: its prompt (one rule for every policy:
+the tree's key and kv_aware's token ids come from the same extraction) and the namespace the
+engine caches it under. Pure: a parsed JSON object in, plain data out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from radixserve.router.policies.base import RequestView
+
+PART_SEPARATOR = "\n"
+"""How a message's text content parts join into one string before the chat template renders
+it: vLLM's rule (chat_utils joins the text parts with a newline), which radixserve's server
+follows too, so the router sees the prompt the workers template."""
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """A request's prompt as the worker will read it: token ids, chat messages (each
+    {"role", "content"[, "name"]}, text parts joined), or text; all None when the body has no
+    prompt the router can read (the worker answers with the error)."""
+
+    ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+    text: str | None = None
+
+
+def extract_prompt(payload: dict[str, Any]) -> Prompt:
+    """The prompt of a /generate, /v1/completions or /v1/chat/completions body: `input_ids`,
+    else `messages`, else `text`, else `prompt`; a batch routes on its first prompt, and a
+    prompt that is a list of ints is token ids (OpenAI's prompt may be)."""
+    ids = payload.get("input_ids")
+    if _is_ids(ids):
+        return Prompt(ids=ids)
+    messages = payload.get("messages")
+    if isinstance(messages, list) and messages:
+        if not all(isinstance(m, dict) for m in messages):
+            return Prompt()
+        return Prompt(messages=[chat_message(m) for m in messages])
+    text = payload.get("text", payload.get("prompt"))
+    if isinstance(text, list) and text and not _is_ids(text):
+        text = text[0]  # a batch routes on its first prompt
+    if _is_ids(text):
+        return Prompt(ids=text)
+    return Prompt(text=text) if isinstance(text, str) else Prompt()
+
+
+def chat_message(m: dict[str, Any]) -> dict[str, Any]:
+    """A message as the server normalises it before templating: text parts joined with
+    PART_SEPARATOR, missing content as ""."""
+    content = m.get("content")
+    if isinstance(content, list):
+        content = PART_SEPARATOR.join(
+            str(p.get("text") or "") for p in content if isinstance(p, dict)
+        )
+    out = {"role": m.get("role"), "content": content or ""}
+    return out | {"name": m["name"]} if m.get("name") else out
+
+
+def request_view(payload: dict[str, Any]) -> RequestView:
+    """The routing view of a request body: its token ids if it gives them, else its text or
+    its messages rendered as "<role>content" lines, in the namespace (model, LoRA adapter,
+    cache salt) the engine caches under."""
+    prompt = extract_prompt(payload)
+    text = prompt.text
+    if prompt.messages is not None:
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in prompt.messages)
+    lora = payload.get("lora_path", payload.get("lora")) or ""
+    return RequestView.from_prompt(
+        text if prompt.ids is None else None,
+        prompt.ids,
+        str(payload.get("model") or ""),
+        lora if isinstance(lora, str) else str(lora),
+        str(payload.get("cache_salt") or ""),
+    )
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
