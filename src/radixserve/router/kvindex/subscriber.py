@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, fields
 from typing import Any
@@ -111,6 +112,7 @@ class EventSubscriber:
         self.replay_timeout_secs = replay_timeout_secs
         self.stats = SubscriberStats()
         self.last_seq: int | None = None
+        self.lag_secs: float | None = None  # received minus published, of the last batch
         self._overlap = False
         self._sub_last: int | None = None  # the last seq the SUB socket delivered
         self._disconnected = False
@@ -231,6 +233,7 @@ class EventSubscriber:
             self.index.drop_worker(self.worker)
             return False
         self.index.apply(self.worker, batch.events)
+        self.lag_secs = time.time() - batch.ts if batch.ts else None
         self.stats.batches += 1
         self.stats.events += len(batch.events)
         return True

@@ -4,6 +4,7 @@ the handlers read of it is the AdminHost protocol below (no import of app.py).""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Protocol
@@ -12,6 +13,13 @@ from urllib.parse import parse_qs, unquote
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from radixserve.router.proxy.connections import ClientConn, Request, error_body
+from radixserve.router.proxy.worker_kinds import (
+    FLUSH,
+    KINDS,
+    flush_failure,
+    http_get,
+    parse_kv_events,
+)
 from radixserve.router.proxy.workers import DuplicateWorker, Response, fan_out, resolve
 
 try:  # 5x faster on long prompts; the stdlib parser is the fallback
@@ -25,6 +33,7 @@ if TYPE_CHECKING:
     from radixserve.router.policies.base import RouterPolicy
     from radixserve.router.proxy.config import RouterConfig
     from radixserve.router.proxy.kv_setup import KvRouting
+    from radixserve.router.proxy.worker_kinds import WorkerKinds
     from radixserve.router.proxy.workers import Worker, WorkerRegistry
 
 
@@ -35,11 +44,13 @@ class AdminHost(Protocol):
     registry: WorkerRegistry
     policy: RouterPolicy
     kv: KvRouting | None
+    kinds: WorkerKinds
     metrics_registry: CollectorRegistry
     routes: dict[str, dict[str, Handler]]
 
     async def admit(self, worker: Worker) -> bool: ...
     def _forward_headers(self, req: Request) -> bytes: ...
+    def _worker_auth(self) -> bytes: ...
     def _allowed(self, req: Request, route: str, conn: ClientConn) -> bool: ...
     @staticmethod
     def _authorized(req: Request, key: str | None, conn: ClientConn) -> bool: ...
@@ -140,30 +151,41 @@ class Endpoints:
 
     async def list_workers(self: AdminHost, req: Request) -> tuple[int, object]:
         workers = self.registry.workers
-        return 200, {"workers": [w.info() for w in workers], "urls": [w.url for w in workers]}
+        rows = [{**w.info(), **self.kinds.info(w.id)} for w in workers]
+        return 200, {"workers": rows, "urls": [w.url for w in workers]}
 
     async def add_worker(self: AdminHost, req: Request) -> tuple[int, object]:
         """Register a worker; it takes traffic once its first health probe passes (and, with
-        kv_aware, once its tokenizer is checked and its KV events subscribed to)."""
+        kv_aware, once its tokenizer is checked and its KV events subscribed to). Optional
+        ``type`` (radixserve, vllm, sglang; default: --worker-type) and ``kv_events``
+        (``{"endpoint", "replay_endpoint", "topic"}``: where it publishes, if not where it says)."""
         body = _json(req) if req.body else {}
-        unknown = sorted(set(body) - {"url"})
+        unknown = sorted(set(body) - {"url", "type", "kv_events"})
         if unknown:  # nothing a client sets is silently ignored
             return 400, error_body(
-                400, f"unknown field(s) {', '.join(unknown)}: only url is accepted"
+                400, f"unknown field(s) {', '.join(unknown)}: accepted are url, type, kv_events"
             )
         url = _query(req, "url") or body.get("url")
         if not isinstance(url, str) or not url:
             return 400, error_body(400, 'give the worker as ?url= or a JSON body {"url": ...}')
+        kind = body.get("type")
+        if kind is not None and kind not in KINDS:
+            return 400, error_body(400, f"type must be one of {', '.join(KINDS)}, not {kind!r}")
         try:
+            override = parse_kv_events(body["kv_events"]) if "kv_events" in body else None
             worker = self.registry.add(url, await resolve(url), healthy=False)
         except ValueError as exc:
             status = 409 if isinstance(exc, DuplicateWorker) else 400
             return status, error_body(status, str(exc))
+        self.kinds.register(worker.id, worker.url, kind, override)
         if not await self.admit(worker):  # kv_aware: checked before it can take traffic
             why = self.kv.refused.get(worker.url, "refused") if self.kv else "refused"
             return 409, error_body(409, f"worker {url} refused: {why}")
         await self.registry.probe_now(worker)
-        return 201 if req.path == "/workers" else 200, worker.info()
+        return 201 if req.path == "/workers" else 200, {
+            **worker.info(),
+            **self.kinds.info(worker.id),
+        }
 
     async def remove_worker(self: AdminHost, req: Request) -> tuple[int, object]:
         ref = (
@@ -173,6 +195,7 @@ class Endpoints:
         if worker is None:
             return 404, error_body(404, f"no worker {ref!r}")
         self.registry.remove(worker)
+        self.kinds.forget(worker.id)
         if self.kv is not None:
             await self.kv.forget(worker.id)
         return 200, {"removed": worker.id, "url": worker.url}
@@ -186,13 +209,27 @@ class Endpoints:
         return 503, error_body(503, "no healthy worker answered /v1/models")
 
     async def flush_cache(self: AdminHost, req: Request) -> tuple[int, object]:
-        workers = self.registry.workers
-        replies = await fan_out(workers, "POST", "/flush_cache", self._forward_headers(req))
+        """Flush every worker's prefix cache, each the way its kind does (vLLM:
+        /reset_prefix_cache), and forget what the router believed they held."""
+        workers, headers = self.registry.workers, self._forward_headers(req)
+        auth = self._worker_auth()
+        await asyncio.gather(*(self.kinds.identify(w.id, w.url, http_get(w.pool.request, auth))
+                               for w in workers))  # fmt: skip
+        calls = []
+        for w in workers:
+            method, path = FLUSH.get(self.kinds.state(w.id).kind or "", FLUSH["radixserve"])
+            calls.append(w.pool.request(method, path, timeout=30.0, headers=headers))
+        replies = await asyncio.gather(*calls, return_exceptions=True)
         results = {w.url: getattr(r, "status", str(r)) for w, r in zip(workers, replies)}
         for worker in workers:  # their caches are empty now: so must the router's belief be
             self.policy.on_worker_removed(worker.id)
         ok = all(s == 200 for s in results.values())
-        return (200 if ok else 502), {"success": ok, "workers": results}
+        body: dict[str, object] = {"success": ok, "workers": results}
+        failed = {w.url: flush_failure(self.kinds.state(w.id).kind, s)
+                  for w, s in zip(workers, results.values()) if isinstance(s, int) and s != 200}  # fmt: skip
+        if failed:
+            body["errors"] = failed
+        return (200 if ok else 502), body
 
     async def metrics(self: AdminHost, req: Request) -> tuple[int, object]:
         return 200, Text(generate_latest(self.metrics_registry).decode())

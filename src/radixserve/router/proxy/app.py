@@ -15,7 +15,6 @@ import random
 import time
 from bisect import bisect_left
 from collections.abc import Callable
-from functools import partial
 from typing import NamedTuple
 
 from radixserve.router.policies.base import NoWorkerAvailable, RequestView
@@ -25,14 +24,16 @@ from radixserve.router.proxy.admin import INFERENCE, Endpoints, Handler
 from radixserve.router.proxy.admission import Admission
 from radixserve.router.proxy.config import RouterConfig
 from radixserve.router.proxy.connections import ClientConn, Request, error_body
-from radixserve.router.proxy.kv_setup import KvRouting, fetch_json, open_kv_index
+from radixserve.router.proxy.kv_setup import KvRouting, open_kv_index
 from radixserve.router.proxy.metrics import BUCKETS, metrics_registry
 from radixserve.router.proxy.request_body import request_view
+from radixserve.router.proxy.worker_kinds import WorkerKinds, http_get
 from radixserve.router.proxy.workers import (
     Headers,
     UpstreamError,
     Worker,
     WorkerRegistry,
+    check_url,
     resolve,
 )
 
@@ -65,7 +66,11 @@ class Router(Endpoints):
         subscribe = self.kvs is None or self.policy.index is not self.kvs
         store = self.kvs if self.kvs is not None and subscribe else None
         self.kv = KvRouting(self.policy, config.tokenizer, subscribe, store) if has_index else None
-        self.registry.poll_loads = has_index  # kv_aware reconciles pending prefill with them
+        self.registry.poll_loads = True  # _read_load asks each kind for its own load report
+        self.registry.load_reader = self._read_load
+        overrides = {check_url(u): src for u, src in config.kv_event_overrides().items()}
+        self.kinds = WorkerKinds(config.worker_type, overrides)
+        self.registry.reported = self.kinds.reported  # overload thresholds read these first
         self.registry.auth = self._worker_auth()
         self._admitting: set[asyncio.Task[bool]] = set()
         self.retries, self.failed = 0, {502: 0, 503: 0, 504: 0}
@@ -86,10 +91,8 @@ class Router(Endpoints):
         delay this: health checks and the circuit breaker find them out."""
         for url in self.config.worker_urls:
             worker = self.registry.add(url, await resolve(url))
-            if self.kv is not None:  # in the background: an unreachable worker delays nothing
-                task = asyncio.get_running_loop().create_task(self.admit(worker))
-                self._admitting.add(task)
-                task.add_done_callback(self._admitting.discard)
+            self.kinds.register(worker.id, worker.url)
+            self.admit_later(worker)  # in the background: an unreachable worker delays nothing
         self.registry.start()
         if self.config.cache_policy.eviction_interval_secs > 0:
             self._ticker = asyncio.get_running_loop().create_task(self._tick_loop())
@@ -114,16 +117,50 @@ class Router(Endpoints):
         worker = self.registry.by_url(url)
         return None if worker is None else worker.id
 
-    async def admit(self, worker: Worker) -> bool:
-        """kv_aware: check the worker's tokenizer, then subscribe to its KV events; a worker
-        that tokenizes differently is removed (False). True at once without kv_aware."""
+    def admit_later(self, worker: Worker) -> None:
+        """admit(worker) in the background, waiting for the worker to answer first."""
+        task = asyncio.get_running_loop().create_task(self.admit(worker, wait=True))
+        self._admitting.add(task)
+        task.add_done_callback(self._admitting.discard)
+
+    async def admit(self, worker: Worker, wait: bool = False) -> bool:
+        """Recognise the worker's kind (`wait`: until it answers); then, with kv_aware, check
+        its tokenizer and subscribe to its KV events; a worker that tokenizes differently is
+        removed (False)."""
+        get = http_get(worker.pool.request, self._worker_auth())
+        if self.kv is not None:  # otherwise recognised when first needed (a load read, a flush)
+            while await self.kinds.identify(worker.id, worker.url, get) is None and wait:
+                await asyncio.sleep(self.config.health.health_check_interval_secs or 2.0)
+        if self.kv is None or not self.kv.subscribe:
+            why = "on Redis: `radixserve kv-indexer` follows them" if self.kv else "policy "
+            self.kinds.not_following(worker.id, worker.url, why if self.kv else
+                                     why + self.config.policy + " does not read KV events")  # fmt: skip
         if self.kv is None:
             return True
-        fetch = partial(fetch_json, worker.pool.request, headers=self._worker_auth())
+        fetch = self.kinds.adapter(worker.id, worker.url, get)
         if await self.kv.admit(worker.id, worker.url, fetch):
             return True
         self.registry.remove(worker)
+        self.kinds.forget(worker.id)
         return False
+
+    async def _read_load(self, worker: Worker) -> None:
+        """After a good probe: the worker's own load report, by kind (vLLM's /metrics,
+        SGLang's /v1/loads, ours /get_loads); its waiting prefill tokens go to the policy."""
+        get = http_get(
+            worker.pool.request, self._worker_auth(), self.config.health.health_check_timeout_secs
+        )
+        kind = await self.kinds.identify(worker.id, worker.url, get)
+        if kind is None or (kind == "radixserve" and self.kv is None):
+            return  # ours only matter to kv_aware's pending-prefill accounting
+        load = await self.kinds.read_load(worker.id, worker.url, get)
+        tokens = None if load is None else load.waiting_prefill_tokens
+        at = self.kinds.state(worker.id).load_at
+        worker.prefill_tokens, worker.reported_at = (
+            (tokens, at) if tokens is not None else (None, float("-inf"))
+        )
+        # ours: what loading a token from a lower tier costs against prefilling one
+        worker.kv_load_ratio = None if load is None else load.kv_load_ratio
 
     async def _tick_loop(self) -> None:
         while True:

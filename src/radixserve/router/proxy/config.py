@@ -11,6 +11,11 @@ from typing import Any
 
 from radixserve.router.policies.config import CachePolicyConfig
 from radixserve.router.policies.registry import POLICIES, policy_names
+from radixserve.router.proxy.worker_kinds import (
+    WORKER_TYPES,
+    EventSource,
+    parse_kv_events_flag,
+)
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
@@ -64,6 +69,18 @@ class RouterConfig:
         (), "workers to route to at start (more can be added later)", metavar="URL"
     )
     policy: str = _f("cache_aware", "routing policy", choices=policy_names())
+    worker_type: str = _f(
+        "auto",
+        "what the --worker-urls run: radixserve, vllm or sglang (auto: recognised by their "
+        "endpoints); sets where KV events, load and flush are found",
+        choices=WORKER_TYPES,
+    )
+    worker_kv_events: tuple[str, ...] = _f(
+        (),
+        "a worker's KV-event publisher, overriding what it reports: URL=ENDPOINT[,REPLAY[,TOPIC]] "
+        "(a * host is the worker's host), e.g. http://h:8000=tcp://*:5557,tcp://*:5558,kv",
+        metavar="URL=ENDPOINT",
+    )
     host: str = _f("127.0.0.1", "address to listen on")
     port: int = _f(30000, "port to listen on")
     cache_policy: CachePolicyConfig = field(
@@ -186,6 +203,12 @@ class RouterConfig:
         self._check_kv_index()
         # argparse hands over a list; keep the frozen config hashable and immutable.
         object.__setattr__(self, "worker_urls", tuple(self.worker_urls))
+        if self.worker_type not in WORKER_TYPES:
+            raise ValueError(
+                f"--worker-type must be one of {', '.join(WORKER_TYPES)}, not {self.worker_type!r}"
+            )
+        object.__setattr__(self, "worker_kv_events", tuple(self.worker_kv_events))
+        self.kv_event_overrides()  # a malformed entry is a one-line error now
 
     def _only_for(self, names: tuple[str, ...], where: str) -> None:
         defaults = {f.name: f.default for f in fields(self)}
@@ -240,6 +263,10 @@ class RouterConfig:
             raise ValueError("--redis-prefix: for --kv-index redis://... only")
         if self.kvs_chunk_size < 1:
             raise ValueError(f"--kvs-chunk-size must be >= 1, got {self.kvs_chunk_size}")
+
+    def kv_event_overrides(self) -> dict[str, EventSource]:
+        """--worker-kv-events as {worker url: publisher}."""
+        return dict(parse_kv_events_flag(entry) for entry in self.worker_kv_events)
 
     @property
     def mooncake_address(self) -> str:

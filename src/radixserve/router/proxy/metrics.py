@@ -17,10 +17,13 @@ from prometheus_client.core import (
     SummaryMetricFamily,
 )
 
+from radixserve.router.proxy.worker_kinds import kind_families
+
 if TYPE_CHECKING:
     from radixserve.router.policies.base import RouterPolicy
     from radixserve.router.proxy.admission import Admission
     from radixserve.router.proxy.kv_setup import KvRouting
+    from radixserve.router.proxy.worker_kinds import WorkerKinds
     from radixserve.router.proxy.workers import WorkerRegistry
 
 
@@ -32,6 +35,7 @@ class Router(Protocol):
     admission: Admission
     kv: KvRouting | None
     kvs: Any
+    kinds: WorkerKinds
     retries: int
     failed: dict[int, int]
     decisions: list[int]
@@ -80,6 +84,7 @@ class _Collector:
             yield from _kv_families(r.kv.metric_families(), {w.id: w.url for w in ws})
         if r.kvs is not None:
             yield from _kvs_families(r.kvs)
+        yield from kind_families(r.kinds, ws, r.kv.plane.subscribers if r.kv else {})
 
 
 def _histogram(counts: list[int], total: float) -> Metric:

