@@ -3,7 +3,7 @@
 events, how to read its load, how to flush its prefix cache and where its tokenizer is.
 
 The top half is pure: response bodies in, plain data out (unit-tested on the engines' real
-answers, tests/test_router_worker_kinds.py). The bottom half, ``WorkerKinds``, asks the workers
+answers, tests/router/proxy/test_router_worker_kinds.py). The bottom half, ``WorkerKinds``, asks the workers
 over HTTP and keeps per worker what it found, and why not, for the log (said once) and /metrics.
 
 What each kind answers (the shapes these functions read):

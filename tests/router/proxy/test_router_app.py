@@ -197,7 +197,7 @@ def test_api_key_and_admin_key(workers, make_router):
     assert call("POST", r.addr, "/generate", {"text": "a"}, admin)[0] == 401  # separate keys
     assert call("GET", r.addr, "/health")[0] == 200  # probes need no key
     assert call("GET", r.addr, "/metrics")[0] == 200
-    # Without an admin key, management is for loopback clients (tests/test_router_auth.py).
+    # Without an admin key, management is for loopback clients (tests/router/proxy/test_router_auth.py).
 
 
 def test_payload_size_limit(workers, make_router):

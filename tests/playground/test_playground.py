@@ -1,6 +1,6 @@
 """`radixserve playground` (issue 18) as a process: its API equals `radixserve sim` for the same
 settings, refuses bad settings with a 400 naming them, walks the 6-request trace through the real
-scheduler; the browser tests (tests/test_playground_browser.py) drive the page itself."""
+scheduler; the browser tests (tests/playground/test_playground_browser.py) drive the page itself."""
 
 from __future__ import annotations
 

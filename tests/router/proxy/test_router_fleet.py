@@ -27,7 +27,7 @@ pytest.importorskip("httptools")
 
 from radixserve.router.proxy.workers import ConnectionPool  # noqa: E402
 
-FAKE = Path(__file__).with_name("fake_worker.py")
+FAKE = Path(__file__).parents[2] / "fake_worker.py"  # tests/fake_worker.py
 WORKER_KIND = os.environ.get("RADIXSERVE_TEST_WORKER", "sim")
 START_TIMEOUT_S = 120.0
 

@@ -101,7 +101,7 @@ def test_bench_replays_the_mooncake_trace_against_a_sim_worker(sim_server, tmp_p
 
     # the trace's requests that start with its most shared block (ids past 43,000): a run of
     # 24 with real sharing, where the trace's first 24 share nothing
-    rows = [json.loads(line) for line in (Path(__file__).parents[1] / "traces" /
+    rows = [json.loads(line) for line in (Path(__file__).parents[2] / "traces" /
             "mooncake_synthetic_trace.jsonl").read_text().splitlines()]  # fmt: skip
     first = Counter(r["hash_ids"][0] for r in rows).most_common(1)[0][0]
     trace = tmp_path / "shared.jsonl"

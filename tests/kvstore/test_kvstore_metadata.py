@@ -32,7 +32,7 @@ from radixserve.router.kvindex.mooncake_meta import (
 )
 
 FIXTURE = json.loads(
-    (Path(__file__).parent / "fixtures/mooncake_batch_query_keys.json").read_text()
+    (Path(__file__).parents[1] / "fixtures/mooncake_batch_query_keys.json").read_text()
 )
 
 
