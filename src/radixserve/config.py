@@ -65,7 +65,7 @@ class CacheConfig:
     radix_eviction_policy: str = _f(
         "lru",
         "radix-tree eviction order (hit-benefit: least decayed hits x tokens saved first)",
-        choices=("lru", "lfu", "fifo", "mru", "filo", "priority", "hit-benefit"),
+        choices="radixserve.cache.evict:POLICIES",
     )
     disable_radix_cache: bool = _f(False, "turn prefix reuse off (every prompt is computed whole)")
     max_total_tokens: int = _f(65536, "KV slots in the pool (tokens)", ge=1)
@@ -132,7 +132,7 @@ class SchedulerConfig:
     schedule_policy: str = _f(
         "lpm",
         "waiting-queue order",
-        choices=("fcfs", "lpm", "dfs-weight", "lof", "random", "routing-key", "priority"),
+        choices="radixserve.sched.policy:POLICIES",  # the registry (it imports this module)
     )
     max_prefill_tokens: int = _f(16384, "uncached prompt tokens admitted per prefill step", ge=1)
     chunked_prefill_size: int = _f(
@@ -225,6 +225,14 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
+
+
+def _choices(choices: tuple[str, ...] | str) -> tuple[str, ...]:
+    """A field's choices: listed, or "module:NAME" of a registry read when the flags are made
+    (registries that import this module cannot be imported by it at load time)."""
+    if isinstance(choices, str):
+        return tuple(_lazy(*choices.split(":")))
+    return choices
 
 
 def _lazy(module: str, name: str) -> Any:
@@ -332,7 +340,7 @@ def add_dataclass_args(
             group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
             continue
         if "choices" in f.metadata:
-            kw["choices"] = f.metadata["choices"]
+            kw["choices"] = _choices(f.metadata["choices"])
         if typing.get_origin(tp) is tuple:  # a list flag, as in sglang-router: --worker-urls A B C
             tp = typing.get_args(tp)[0]
             kw.update(nargs="*", metavar=f.metadata.get("metavar"))
