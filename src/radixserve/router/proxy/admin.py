@@ -13,11 +13,11 @@ from urllib.parse import parse_qs, unquote
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from radixserve.router.proxy.connections import ClientConn, Request, error_body
-from radixserve.router.proxy.worker_kinds import (
+from radixserve.router.proxy.worker_kinds import http_get
+from radixserve.router.proxy.worker_shapes import (
     FLUSH,
     KINDS,
     flush_failure,
-    http_get,
     parse_kv_events,
 )
 from radixserve.router.proxy.workers import DuplicateWorker, Response, fan_out, resolve

@@ -11,7 +11,7 @@ from typing import Any
 
 from radixserve.router.policies.config import CachePolicyConfig
 from radixserve.router.policies.registry import POLICIES, policy_names
-from radixserve.router.proxy.worker_kinds import (
+from radixserve.router.proxy.worker_shapes import (
     WORKER_TYPES,
     EventSource,
     parse_kv_events_flag,
