@@ -73,7 +73,19 @@ PLAYGROUND = [
 ]
 OTHERS = [  # route and kv-indexer through the same parser and config machinery
     (["route", "--policy", "nope"], "--policy: invalid choice"),
-    (["route", "--port", "0", "--max-url-size", "0"], "radixserve route: error:"),
+    (["route", "--port", "0", "--max-url-size", "0"], "--max-url-size must be >= 1 (got 0)"),
+    (["route", "--port", "70000"], "--port must be <= 65535 (got 70000)"),
+    (["route", "--health-check-interval-secs", "-1"], "--health-check-interval-secs must be >= 0"),
+    (["route", "--overload-kv-usage-threshold", "3"], "--overload-kv-usage-threshold must be <= 1"),
+    (["route", "--max-retries", "-1"], "--max-retries must be >= 0 (got -1)"),
+    (
+        ["route", "--retry-backoff-ms", "50", "--retry-max-backoff-ms", "10"],
+        "retry_max_backoff_ms must be >= retry_backoff_ms",
+    ),
+    (
+        ["route", "--policy", "kv_aware", "--kv-index", "redis://x", "--kvs-timeout-ms", "0"],
+        "--kvs-timeout-ms must be > 0",
+    ),
     (["kv-indexer", "--redis", "http://x"], "--redis must be a redis:// URL"),
 ]
 CASES = (

@@ -9,6 +9,7 @@ import importlib.util
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from radixserve.config import check_fields
 from radixserve.router.policies.config import CachePolicyConfig
 from radixserve.router.policies.registry import POLICIES, policy_names
 from radixserve.router.proxy.worker_shapes import (
@@ -28,35 +29,40 @@ class HealthConfig:
     uses, nested whole into RouterConfig (its fields are `route`'s flags, under these names)."""
 
     health_check_interval_secs: float = _f(
-        2.0, "seconds between health probes of each worker (0: no probes)"
+        2.0, "seconds between health probes of each worker (0: no probes)", ge=0
     )
-    health_check_timeout_secs: float = _f(2.0, "a probe slower than this fails")
+    health_check_timeout_secs: float = _f(2.0, "a probe slower than this fails", gt=0)
     health_failure_threshold: int = _f(
-        2, "failed probes in a row that take a worker out of routing"
+        2, "failed probes in a row that take a worker out of routing", ge=1
     )
-    health_success_threshold: int = _f(1, "passed probes in a row that bring it back")
+    health_success_threshold: int = _f(1, "passed probes in a row that bring it back", ge=1)
     health_check_endpoint: str = _f("/health", "path probed on each worker")
     cb_failure_threshold: int = _f(
-        3, "failed requests in a row that open a worker's circuit (0: off)"
+        3, "failed requests in a row that open a worker's circuit (0: off)", ge=0
     )
-    cb_success_threshold: int = _f(1, "successes that close a half-open circuit")
+    cb_success_threshold: int = _f(1, "successes that close a half-open circuit", ge=1)
     cb_timeout_duration_secs: float = _f(
-        5.0, "seconds an open circuit waits before letting requests try"
+        5.0, "seconds an open circuit waits before letting requests try", gt=0
     )
-    connect_timeout_secs: float = _f(5.0, "longest wait to connect to a worker")
+    connect_timeout_secs: float = _f(5.0, "longest wait to connect to a worker", gt=0)
     max_worker_connections: int = _f(
-        1024, "connections to one worker at once; more requests wait (0: no cap)"
+        1024, "connections to one worker at once; more requests wait (0: no cap)", ge=0
     )
     overload_waiting_threshold: int = _f(
         0,
         "steer away from a worker whose reported waiting queue exceeds this; all past it: "
         "503 with Retry-After (read from /get_server_info at each health check; 0: off)",
+        ge=0,
     )
     overload_kv_usage_threshold: float = _f(
-        0.0, "as --overload-waiting-threshold, for the reported KV cache usage (0-1; 0: off)"
+        0.0,
+        "as --overload-waiting-threshold, for the reported KV cache usage (0-1; 0: off)",
+        ge=0,
+        le=1,
     )
 
     def __post_init__(self) -> None:
+        check_fields(self)  # the bounds in each field's metadata, named by its flag
         if self.health_failure_threshold < 1 or self.health_success_threshold < 1:
             raise ValueError("health thresholds must be >= 1")
         if self.connect_timeout_secs <= 0 or self.max_worker_connections < 0:
@@ -82,7 +88,7 @@ class RouterConfig:
         metavar="URL=ENDPOINT",
     )
     host: str = _f("127.0.0.1", "address to listen on")
-    port: int = _f(30000, "port to listen on")
+    port: int = _f(30000, "port to listen on", ge=0, le=65535)
     cache_policy: CachePolicyConfig = field(
         default_factory=CachePolicyConfig,
         metadata={"help": "cache_aware / kv_aware settings (their fields are the flags)"},
@@ -107,7 +113,9 @@ class RouterConfig:
         "variable (default 0)",
         choices=("sha256_cbor", "sha256_hex", "sha256", "xxhash", "xxhash64"),
     )
-    kvs_chunk_size: int = _f(256, "kv_aware on Mooncake: tokens per store key, as the engines'")
+    kvs_chunk_size: int = _f(
+        256, "kv_aware on Mooncake: tokens per store key, as the engines'", ge=1
+    )
     kvs_enable_save_unfull_chunk: bool = _f(
         False, "kv_aware on Mooncake: the engines also store a prompt's trailing partial chunk"
     )
@@ -115,19 +123,22 @@ class RouterConfig:
         5,
         "kv_aware on Redis or Mooncake: retries of a failed lookup before the service is "
         "marked down",
+        ge=0,
     )
     kvs_retry_interval_ms: float = _f(
-        100.0, "kv_aware on Redis or Mooncake: wait between lookup retries"
+        100.0, "kv_aware on Redis or Mooncake: wait between lookup retries", ge=0
     )
     kvs_metadata_service_down_duration_s: float = _f(
         30.0,
         "kv_aware on Redis or Mooncake: seconds a down service is left alone (routing falls "
         "back to the workers' events and the approximate tree) before it is tried again",
+        ge=0,
     )
     kvs_timeout_ms: float = _f(
         500.0,
         "kv_aware on Redis or Mooncake: a lookup slower than this failed (keep it above the "
         "router's own p99 latency: a saturated router reads replies late)",
+        gt=0,
     )
     redis_prefix: str = _f(
         "radixserve",
@@ -148,41 +159,49 @@ class RouterConfig:
         None, "bearer key sent to workers (default: forward the client's Authorization)"
     )
     max_payload_size: int = _f(
-        32 * 2**20, "largest request body in bytes, as `serve`'s (larger: 413)"
+        32 * 2**20, "largest request body in bytes, as `serve`'s (larger: 413)", ge=1
     )
-    max_url_size: int = _f(8192, "longest request URL in bytes (longer: 414; nginx: 8 KiB)")
+    max_url_size: int = _f(8192, "longest request URL in bytes (longer: 414; nginx: 8 KiB)", ge=1)
     max_header_size: int = _f(
-        16384, "largest request head (header lines) in bytes (larger: 431; uvicorn: 16 KiB)"
+        16384, "largest request head (header lines) in bytes (larger: 431; uvicorn: 16 KiB)", ge=1
     )
     header_timeout_secs: float = _f(
-        30.0, "a request head must arrive within this (else 408; nginx: 60 s)"
+        30.0, "a request head must arrive within this (else 408; nginx: 60 s)", gt=0
     )
     body_timeout_secs: float = _f(
-        30.0, "longest pause between pieces of a request body (else 408; nginx: 60 s)"
+        30.0, "longest pause between pieces of a request body (else 408; nginx: 60 s)", gt=0
     )
     keep_alive_timeout_secs: float = _f(
-        75.0, "an idle keep-alive client connection is closed after this (nginx: 75 s)"
+        75.0, "an idle keep-alive client connection is closed after this (nginx: 75 s)", gt=0
     )
-    max_connections: int = _f(4096, "client connections at once; more are answered 503 and closed")
+    max_connections: int = _f(
+        4096, "client connections at once; more are answered 503 and closed", ge=1
+    )
     stream_timeout_secs: float = _f(
-        300.0, "longest a worker may send nothing while answering (nginx: 60 s)"
+        300.0, "longest a worker may send nothing while answering (nginx: 60 s)", gt=0
     )
     max_concurrent_requests: int = _f(
-        2048, "inference requests in flight at once (0: no cap); more wait in the queue"
+        2048, "inference requests in flight at once (0: no cap); more wait in the queue", ge=0
     )
     queue_size: int = _f(
-        1024, "requests that may wait for a slot; more are answered 503 with Retry-After"
+        1024, "requests that may wait for a slot; more are answered 503 with Retry-After", ge=0
     )
-    queue_timeout_secs: float = _f(60.0, "longest wait in the queue (then 503 with Retry-After)")
+    queue_timeout_secs: float = _f(
+        60.0, "longest wait in the queue (then 503 with Retry-After)", gt=0
+    )
     session_header: str = _f(
         "X-Session-Id", "consistent_hashing: the request header that names the session"
     )
-    request_timeout_secs: float = _f(1800.0, "longest a worker may take over one request")
+    request_timeout_secs: float = _f(1800.0, "longest a worker may take over one request", gt=0)
     max_retries: int = _f(
-        3, "attempts on other workers after a connect error, 502, 503 or 504 (jittered backoff)"
+        3,
+        "attempts on other workers after a connect error, 502, 503 or 504 (jittered backoff)",
+        ge=0,
     )
-    retry_backoff_ms: float = _f(10.0, "wait before the first retry; doubles for each next one")
-    retry_max_backoff_ms: float = _f(1000.0, "longest wait between retries")
+    retry_backoff_ms: float = _f(
+        10.0, "wait before the first retry; doubles for each next one", ge=0
+    )
+    retry_max_backoff_ms: float = _f(1000.0, "longest wait between retries", ge=0)
     health: HealthConfig = field(
         default_factory=HealthConfig,
         metadata={"help": "health checks, circuit breaker, worker connections"},
@@ -190,8 +209,11 @@ class RouterConfig:
     log_level: str = _f("info", "logging level", choices=("debug", "info", "warning", "error"))
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; choose from {sorted(POLICIES)}")
+        if self.retry_max_backoff_ms < self.retry_backoff_ms:
+            raise ValueError("retry_max_backoff_ms must be >= retry_backoff_ms")
         if self.max_retries < 0 or self.max_payload_size <= 0 or self.request_timeout_secs <= 0:
             raise ValueError("max_retries >= 0, max_payload_size > 0, request_timeout_secs > 0")
         limits = (self.max_url_size, self.max_header_size, self.max_connections)
