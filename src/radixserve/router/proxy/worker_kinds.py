@@ -22,6 +22,7 @@ from radixserve.router.proxy.worker_shapes import (
     Get,
     WorkerLoad,
     detect_kind,
+    json_of,
     on_worker_host,
     parse_prometheus,
     radixserve_event_sources,
@@ -211,11 +212,11 @@ class WorkerKinds:
                     return None
                 out = {} if source is False else source.info()
                 if self.state(worker_id).kind == "radixserve":
-                    own = _json(await get("/get_server_info"))
+                    own = json_of(await get("/get_server_info"))
                     if isinstance(own, dict) and "kv_store" in own:
                         out["kv_store"] = own["kv_store"]
                 return out
-            obj = _json(await get(path))
+            obj = json_of(await get(path))
             return obj if isinstance(obj, dict) else None
 
         return fetch
@@ -235,7 +236,7 @@ class WorkerKinds:
             if answer is not None and answer[0] == 200:
                 load = vllm_load(parse_prometheus(answer[1].decode("utf-8", "replace")))
         elif state.kind == "sglang":
-            load = sglang_load(_json(await get("/v1/loads")))
+            load = sglang_load(json_of(await get("/v1/loads")))
             if load is None:
                 answer = await get("/metrics")
                 if answer is not None and answer[0] == 200:
@@ -243,7 +244,7 @@ class WorkerKinds:
                         parse_prometheus(answer[1].decode("utf-8", "replace"))
                     )
         elif state.kind == "radixserve":
-            load = radixserve_load(_json(await get("/get_loads")))
+            load = radixserve_load(json_of(await get("/get_loads")))
         if load is None and state.kind is not None:
             self.say(worker_id, url, "reports no load the router can read: only requests sent "
                      "through this router are counted")  # fmt: skip
@@ -263,15 +264,6 @@ class WorkerKinds:
         if s.load is not None:
             out["reported_load"] = {k: getattr(s.load, k) for k in WorkerLoad.__slots__}
         return out
-
-
-def _json(answer: Answer) -> Any:
-    if answer is None or answer[0] != 200:
-        return None
-    try:
-        return json.loads(answer[1])
-    except ValueError:
-        return None
 
 
 def http_get(request: Callable[..., Awaitable[Any]], headers: bytes = b"",

@@ -301,18 +301,22 @@ def _num(v: Any) -> bool:
 # ----- pure: recognising a kind, flushing -----
 
 
+def json_of(answer: Answer) -> Any:
+    """The JSON of a 200 answer; None for no answer, another status or a body that is not JSON."""
+    if answer is None or answer[0] != 200:
+        return None
+    try:
+        return json.loads(answer[1])
+    except ValueError:
+        return None
+
+
 def detect_kind(answers: Mapping[str, Answer]) -> str | None:
     """The kind of a worker from its answers to DETECT_PATHS; None when it answered none of
     them (down, or not an engine this router knows)."""
 
     def obj(path: str) -> Any:
-        ans = answers.get(path)
-        if ans is None or ans[0] != 200:
-            return None
-        try:
-            return json.loads(ans[1])
-        except ValueError:
-            return None
+        return json_of(answers.get(path))
 
     server_info, sources = obj("/server_info"), obj("/kv_event_sources")
     by_rank = isinstance(sources, dict) and all(isinstance(v, dict) for v in sources.values())
