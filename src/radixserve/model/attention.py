@@ -317,7 +317,7 @@ class CudaSdpa(TorchGather):
         if plan.decode is not None:
             outs.append(_attend_decode(q[: plan.decode.size], plan.decode, kv, layer))
         for span in plan.spans:
-            outs.append(_attend_span_gqa(q, k, v, span, kv, layer))
+            outs.append(_attend_span(q, k, v, span, kv, layer, gqa=True))
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return out.reshape(q.shape[0], -1)
 
@@ -345,7 +345,7 @@ class CpuPrefix(TorchGather):
             outs.append(_attend_spans_shared(q, k, v, plan, kv, layer))
         else:
             for span in plan.spans:
-                outs.append(_attend_span_gqa(q, k, v, span, kv, layer))
+                outs.append(_attend_span(q, k, v, span, kv, layer, gqa=True))
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return out.reshape(q.shape[0], -1)
 
@@ -455,7 +455,9 @@ def _attend_spans_shared(
     for span in plan.spans:
         rows = slice(span.start - first, span.end - first)
         if not span.shared:
-            out[rows] = _attend_span_gqa(q, k, v, span, kv, layer).view(-1, heads, dim).float()
+            out[rows] = (
+                _attend_span(q, k, v, span, kv, layer, gqa=True).view(-1, heads, dim).float()
+            )
             continue
         ctx_k, ctx_v = kv.gather(layer, span.slots)
         out[rows], lse[rows] = _flash_grouped(q[span.start : span.end], ctx_k, ctx_v, span.mask)
@@ -478,41 +480,24 @@ def _attend_span(
     span: SpanGroup,
     kv: KVPool,
     layer: int,
+    gqa: bool = False,
 ) -> torch.Tensor:
+    """One span through SDPA; `gqa`: SDPA's grouped-query mode, K/V stay at their KV heads
+    (else they are expanded to the query heads first)."""
     rows = slice(span.start, span.end)
     if span.slots is None:
         ctx_k, ctx_v = k[rows], v[rows]
     else:
         ctx_k, ctx_v = kv.gather(layer, span.slots)
     heads = q.shape[1]
+    if not gqa:
+        ctx_k, ctx_v = _expand_heads(ctx_k, heads), _expand_heads(ctx_v, heads)
     qs = q[rows].transpose(0, 1)[None]  # [1, heads, n, dim]
-    ks = _expand_heads(ctx_k.to(q.dtype), heads).transpose(0, 1)[None]
-    vs = _expand_heads(ctx_v.to(q.dtype), heads).transpose(0, 1)[None]
-    out = F.scaled_dot_product_attention(
-        qs, ks, vs, attn_mask=span.mask, is_causal=span.slots is None
-    )
-    return out[0].transpose(0, 1).reshape(span.end - span.start, -1)
-
-
-def _attend_span_gqa(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    span: SpanGroup,
-    kv: KVPool,
-    layer: int,
-) -> torch.Tensor:
-    """One span with SDPA's grouped-query mode: K/V stay at their KV heads."""
-    rows = slice(span.start, span.end)
-    if span.slots is None:
-        ctx_k, ctx_v = k[rows], v[rows]
-    else:
-        ctx_k, ctx_v = kv.gather(layer, span.slots)
-    qs = q[rows].transpose(0, 1)[None]  # [1, heads, n, dim]
-    ks = ctx_k.to(q.dtype).transpose(0, 1)[None]  # [1, kv_heads, L, dim]
+    ks = ctx_k.to(q.dtype).transpose(0, 1)[None]  # [1, kv_heads (gqa) or heads, L, dim]
     vs = ctx_v.to(q.dtype).transpose(0, 1)[None]
+    extra = {"enable_gqa": True} if gqa else {}
     out = F.scaled_dot_product_attention(
-        qs, ks, vs, attn_mask=span.mask, is_causal=span.slots is None, enable_gqa=True
+        qs, ks, vs, attn_mask=span.mask, is_causal=span.slots is None, **extra
     )
     return out[0].transpose(0, 1).reshape(span.end - span.start, -1)
 
