@@ -18,7 +18,7 @@ Backends (``--attention-backend``, see ``BACKENDS``):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -152,28 +152,14 @@ def _shared_prefixes(
 ) -> tuple[list[int], list[SharedPrefix]]:
     """Per decode row, where its own tail starts; and the groups of rows that share a prefix of
     at least MIN_SHARED_PREFIX slots (every row keeps at least its last slot as its tail)."""
-    by_first: dict[int, list[int]] = {}
-    for i, e in enumerate(entries):
-        by_first.setdefault(e.slots[0], []).append(i)
-    starts = [0] * len(entries)
-    prefixes = []
-    for rows in by_first.values():
-        if len(rows) < 2:
-            continue
-        first = entries[rows[0]].slots
-        shared = min(len(entries[i].slots) for i in rows) - 1
-        for i in rows[1:]:
-            shared = _common_length(first, entries[i].slots, shared)
-        if shared < MIN_SHARED_PREFIX:
-            continue
-        for i in rows:
-            starts[i] = shared
-        prefixes.append(
-            SharedPrefix(
-                torch.tensor(rows, dtype=torch.int64, device=device),
-                torch.tensor(first[:shared], dtype=torch.int64, device=device),
-            )
+    starts, groups = _prefix_groups(entries, range(len(entries)), lambda e: len(e.slots) - 1)
+    prefixes = [
+        SharedPrefix(
+            torch.tensor(rows, dtype=torch.int64, device=device),
+            torch.tensor(entries[rows[0]].slots[:shared], dtype=torch.int64, device=device),
         )
+        for rows, shared in groups
+    ]
     return starts, prefixes
 
 
@@ -234,17 +220,26 @@ def _shared_span_prefixes(
     """Prefill chunks on a cached context that starts alike: per entry where its own context
     starts, and the groups (entry indices, prefix length); a prefix lies wholly in the cached
     part of every member's context, so all their queries see all of it."""
+    candidates = [i for i, e in enumerate(entries) if e.start_pos >= MIN_SHARED_PREFIX]
+    return _prefix_groups(entries, candidates, lambda e: e.start_pos)
+
+
+def _prefix_groups(
+    entries: list[BatchEntry], candidates: Iterable[int], limit: Callable[[BatchEntry], int]
+) -> tuple[list[int], list[tuple[list[int], int]]]:
+    """The candidates grouped by first slot: per entry where its own part starts (0 outside a
+    group), and the groups (entry indices, shared length) whose members share at least
+    MIN_SHARED_PREFIX slots, at most `limit` of any member."""
     by_first: dict[int, list[int]] = {}
-    for i, e in enumerate(entries):
-        if e.start_pos >= MIN_SHARED_PREFIX:
-            by_first.setdefault(e.slots[0], []).append(i)
+    for i in candidates:
+        by_first.setdefault(entries[i].slots[0], []).append(i)
     starts = [0] * len(entries)
     groups = []
     for members in by_first.values():
         if len(members) < 2:
             continue
         first = entries[members[0]].slots
-        shared = min(entries[i].start_pos for i in members)
+        shared = min(limit(entries[i]) for i in members)
         for i in members[1:]:
             shared = _common_length(first, entries[i].slots, shared)
         if shared < MIN_SHARED_PREFIX:
