@@ -276,6 +276,7 @@ class TorchGather:
 
     name = "torch-gather"
     devices: tuple[str, ...] = ("cpu", "cuda")
+    gqa = False  # spans in SDPA's grouped-query mode (K/V stay at their KV heads)
 
     def plan(
         self, entries: Sequence[BatchEntry], device: torch.device, dtype: torch.dtype
@@ -292,7 +293,7 @@ class TorchGather:
         if plan.decode is not None:
             outs.append(_attend_decode(q[: plan.decode.size], plan.decode, kv, layer))
         for span in plan.spans:
-            outs.append(_attend_span(q, k, v, span, kv, layer))
+            outs.append(_attend_span(q, k, v, span, kv, layer, gqa=self.gqa))
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return out.reshape(q.shape[0], -1)
 
@@ -303,18 +304,7 @@ class CudaSdpa(TorchGather):
 
     name = "cuda-sdpa"
     devices = ("cuda",)
-
-    def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: StepPlan, kv: KVPool,
-        layer: int,
-    ) -> torch.Tensor:  # fmt: skip
-        outs = []
-        if plan.decode is not None:
-            outs.append(_attend_decode(q[: plan.decode.size], plan.decode, kv, layer))
-        for span in plan.spans:
-            outs.append(_attend_span(q, k, v, span, kv, layer, gqa=True))
-        out = outs[0] if len(outs) == 1 else torch.cat(outs)
-        return out.reshape(q.shape[0], -1)
+    gqa = True
 
 
 class CpuPrefix(TorchGather):
@@ -323,6 +313,7 @@ class CpuPrefix(TorchGather):
 
     name = "cpu-prefix"
     devices = ("cpu",)
+    gqa = True
 
     def plan(
         self, entries: Sequence[BatchEntry], device: torch.device, dtype: torch.dtype
@@ -340,7 +331,7 @@ class CpuPrefix(TorchGather):
             outs.append(_attend_spans_shared(q, k, v, plan, kv, layer))
         else:
             for span in plan.spans:
-                outs.append(_attend_span(q, k, v, span, kv, layer, gqa=True))
+                outs.append(_attend_span(q, k, v, span, kv, layer, gqa=self.gqa))
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return out.reshape(q.shape[0], -1)
 
