@@ -11,7 +11,7 @@ import random
 from collections.abc import Callable, Iterable
 
 from radixserve.sched.batch import Batch, BatchEntry, StepResult
-from radixserve.sched.request import Req, SamplingParams
+from radixserve.sched.request import Req, ReqState, SamplingParams
 from radixserve.sched.scheduler import Scheduler
 
 VOCAB = 1009
@@ -33,6 +33,17 @@ def reference(prompt: list[int], max_new: int, stop: Iterable[int] = ()) -> list
         if tok in stops:
             break
     return out
+
+
+def assert_match_reference(reqs: Iterable[Req], stop: Iterable[int] = ()) -> None:
+    """Every finished request output what ``reference()`` does; an aborted one a prefix of it."""
+    stop = tuple(stop)
+    for r in reqs:
+        ref = reference(r.input_ids, r.sampling.max_new_tokens, stop=stop)
+        if r.state is ReqState.ABORTED:
+            assert r.output_ids == ref[: len(r.output_ids)], r.rid
+        else:
+            assert r.output_ids == ref, r.rid
 
 
 class KVRunner:
