@@ -17,11 +17,12 @@ from radixserve.config import CacheConfig
 BASES = [[0] * 40, [1, 2] * 20, [3, 1, 4, 1, 5] * 8]
 
 
-def prompts(max_len: int) -> st.SearchStrategy[list[int]]:
-    """Prompts that share prefixes often: a slice of a base sequence plus a short random tail."""
+def prompts(max_len: int, bases: list[list[int]] = BASES) -> st.SearchStrategy[list[int]]:
+    """Prompts that share prefixes often: a slice of a base sequence (40 tokens long) plus a
+    short random tail."""
     return st.builds(
         lambda base, cut, tail: (base * (max_len // 40 + 1))[:cut] + tail,
-        st.sampled_from(BASES),
+        st.sampled_from(bases),
         st.integers(0, max_len),
         st.lists(st.integers(0, 5), max_size=max_len // 4),
     )

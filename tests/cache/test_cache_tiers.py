@@ -15,17 +15,9 @@ from radixserve.cache.pool import SlotAllocator
 from radixserve.cache.radix import RadixCache
 from radixserve.cache.tiers import HostTier
 from radixserve.config import CacheConfig
+from test_cache_radix import prompts
 
 BASES = [[7] * 40, [1, 2] * 20, [3, 1, 4, 1, 5] * 8]
-
-
-def prompts(max_len: int) -> st.SearchStrategy[list[int]]:
-    return st.builds(
-        lambda base, cut, tail: (base * (max_len // 40 + 1))[:cut] + tail,
-        st.sampled_from(BASES),
-        st.integers(0, max_len),
-        st.lists(st.integers(0, 5), max_size=max_len // 4),
-    )
 
 
 def kv_of(prefix: list[int]) -> int:
@@ -64,7 +56,7 @@ class TieredMachine(RuleBasedStateMachine):
             self.alloc.free_runs(self.cache.evict_runs(short))
         return self.alloc.available() >= n
 
-    @rule(tokens=prompts(max_len))
+    @rule(tokens=prompts(max_len, BASES))
     def start_request(self, tokens: list[int]) -> None:
         m = self.cache.match_prefix(tokens)
         node, length = m.last_node, m.length
