@@ -28,16 +28,20 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from _machine import machine_line
-from kv_redis_bench import GROUPS, WORKERS, fill, group_prefix, holder_events, payload, pct
+from kv_redis_bench import (
+    GROUPS,
+    WORKERS,
+    filled_indexes,
+    group_prefix,
+    payload,
+    pct,
+)
 from mooncake_harness import MooncakeCluster, backend_ports, pin_this_process
 from radixserve.cache.hashing import KVNamespace
 from radixserve.kvstore.backends import create_backend
 from radixserve.kvstore.storage import PageFormat
-from radixserve.router.kvindex.block_index import InMemoryIndex
 from radixserve.router.kvindex.mooncake_meta import store_keys
 from radixserve.router.kvindex.mooncake_reader import MooncakeIndexConfig, MooncakeStoreReader
-from radixserve.router.kvindex.redis_reader import KvsConfig, RedisIndexReader
-from radixserve.router.policies.base import WorkerView
 from radixserve.router.policies.cache_aware import CacheAwarePolicy
 from radixserve.router.policies.kv_aware import KvAwarePolicy
 from radixserve.router.proxy.request_body import request_view
@@ -62,13 +66,7 @@ def write_store(cluster: MooncakeCluster, length: int, chunks: tuple[int, ...]) 
 async def decisions(
     redis_url: str, metrics_addr: str, length: int, n: int, chunks: tuple[int, ...]
 ):
-    ids = [f"http://w{i}" for i in range(WORKERS)]
-    views = [WorkerView(w) for w in ids]
-    await fill(redis_url, ids, length)
-    memory = InMemoryIndex()
-    for w, events in holder_events(length):
-        memory.apply(ids[w], events)
-    redis = RedisIndexReader(KvsConfig(redis_url), lambda url: url)
+    ids, views, memory, redis = await filled_indexes(redis_url, length)
     targets: dict[str, tuple[KvAwarePolicy | CacheAwarePolicy, object]] = {
         "kv_aware memory": (KvAwarePolicy(index=memory), None),
         "kv_aware redis": (KvAwarePolicy(index=redis), redis),

@@ -90,16 +90,24 @@ async def fill(url: str, worker_ids: list[str], length: int) -> RedisIndexWriter
 # ----- 1. decision cost -----
 
 
-async def decisions(redis_url: str, length: int, n: int) -> tuple[dict[str, list[float]], float]:
-    """Per target, seconds per decision; and Redis' own time per lookup (commandstats), apart
-    from the time the router spends waiting for a Redis process that shares its cores."""
+async def filled_indexes(
+    redis_url: str, length: int
+) -> tuple[list[str], list[WorkerView], InMemoryIndex, RedisIndexReader]:
+    """The fleet's worker ids and views, and the same holdings in an in-memory index and in
+    Redis (with a reader over it)."""
     ids = [f"http://w{i}" for i in range(WORKERS)]
     views = [WorkerView(w) for w in ids]
     await fill(redis_url, ids, length)
     memory = InMemoryIndex()
     for w, events in holder_events(length):
         memory.apply(ids[w], events)
-    reader = RedisIndexReader(KvsConfig(redis_url), lambda url: url)
+    return ids, views, memory, RedisIndexReader(KvsConfig(redis_url), lambda url: url)
+
+
+async def decisions(redis_url: str, length: int, n: int) -> tuple[dict[str, list[float]], float]:
+    """Per target, seconds per decision; and Redis' own time per lookup (commandstats), apart
+    from the time the router spends waiting for a Redis process that shares its cores."""
+    ids, views, memory, reader = await filled_indexes(redis_url, length)
     targets = {"kv_aware redis": KvAwarePolicy(index=reader),
                "kv_aware memory": KvAwarePolicy(index=memory), "cache_aware": CacheAwarePolicy()}  # fmt: skip
     bodies = [json.dumps(payload(i % GROUPS, i, length)).encode() for i in range(n)]
