@@ -121,6 +121,20 @@ class RouterProc(Proc):
     def requests_per_worker(self) -> dict[str, int]:
         return {w["url"]: w["requests"] for w in self.call("GET", "/workers")[1]["workers"]}
 
+    def metrics(self) -> dict[str, float]:
+        """The router's /metrics as {"name@worker url": value} (other labels dropped)."""
+        conn = http.client.HTTPConnection(self.addr, timeout=10)
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+        conn.close()
+        out = {}
+        for line in text.splitlines():
+            if m := re.match(r"radixserve_router_(\w+)(\{.*\})? (\S+)$", line):
+                name, labels, value = m.groups()
+                worker = re.search(r'worker="([^"]*)"', labels or "")
+                out[f"{name}@{worker.group(1)}" if worker else name] = float(value)
+        return out
+
 
 @pytest.fixture
 def fleet():

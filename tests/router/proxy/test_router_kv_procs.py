@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import re
 import socket
 import time
 
@@ -47,24 +46,11 @@ def generate(target, text: str) -> None:
     assert status == 200, reply
 
 
-def metrics(router: RouterProc) -> dict[str, float]:
-    conn = http.client.HTTPConnection(router.addr, timeout=10)
-    conn.request("GET", "/metrics")
-    text = conn.getresponse().read().decode()
-    conn.close()
-    out = {}
-    for line in text.splitlines():
-        if m := re.match(r"radixserve_router_(\S+?)(?:\{\w+=\"(.*)\"\})? (\S+)$", line):
-            name, label, value = m.groups()
-            out[f"{name}@{label}" if label else name] = float(value)
-    return out
-
-
 def expected_hit(router: RouterProc, text: str) -> tuple[float, str]:
     """Send `text` through the router: (tokens it expected the chosen worker to hold, url)."""
-    before, sent = metrics(router), router.requests_per_worker()
+    before, sent = router.metrics(), router.requests_per_worker()
     generate(router, text)
-    after, now = metrics(router), router.requests_per_worker()
+    after, now = router.metrics(), router.requests_per_worker()
     [url] = [u for u in now if now[u] != sent.get(u)]
     key = "kv_expected_hit_tokens_total"
     return after[key] - before[key], url
@@ -83,7 +69,7 @@ def healthy(router: RouterProc, url: str) -> bool:
 
 
 def blocks(router: RouterProc, url: str) -> float:
-    return metrics(router).get(f"kv_index_blocks@{url}", -1)
+    return router.metrics().get(f"kv_index_blocks@{url}", -1)
 
 
 @pytest.fixture

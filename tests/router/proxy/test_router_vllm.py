@@ -6,9 +6,7 @@ ZeroMQ; skipped, saying why, without the vLLM venv (RADIXSERVE_VLLM_PYTHON; see 
 
 from __future__ import annotations
 
-import http.client
 import json
-import re
 import time
 
 import pytest
@@ -63,21 +61,6 @@ def wait_for(check, what: str, timeout: float = 60.0):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def metrics(r: RouterProc) -> dict[str, float]:
-    """The router's /metrics as {"name@worker url": value} (other labels dropped)."""
-    conn = http.client.HTTPConnection(r.addr, timeout=10)
-    conn.request("GET", "/metrics")
-    text = conn.getresponse().read().decode()
-    conn.close()
-    out = {}
-    for line in text.splitlines():
-        if m := re.match(r"radixserve_router_(\w+)(\{.*\})? (\S+)$", line):
-            name, labels, value = m.groups()
-            worker = re.search(r'worker="([^"]*)"', labels or "")
-            out[f"{name}@{worker.group(1)}" if worker else name] = float(value)
-    return out
-
-
 def workers(r: RouterProc) -> dict[str, dict]:
     return {w["url"]: w for w in r.call("GET", "/workers")[1]["workers"]}
 
@@ -110,13 +93,13 @@ def test_discovery_events_routing_loads_and_flush(vllm_pair, router):
         assert w["kv_events"] == {"endpoint": f"tcp://127.0.0.1:{s.events_port}",
                                   "replay_endpoint": f"tcp://127.0.0.1:{s.replay_port}",
                                   "topic": "kv"}  # fmt: skip
-    m = metrics(r)
+    m = r.metrics()
     assert all(m[f"worker_kv_events_following@{s.url}"] == 1.0 for s in vllm_pair), m
 
     # events ingested: a prompt's full blocks appear in the index for the worker that ran it
     doc = document("alpha")
     first = complete(r, doc)
-    wait_for(lambda: metrics(r).get(f"kv_index_blocks@{first}", 0) >= 8, "alpha's blocks")
+    wait_for(lambda: r.metrics().get(f"kv_index_blocks@{first}", 0) >= 8, "alpha's blocks")
     # routing to the holder: repeats with new suffixes go where the prefix is cached
     hits_before = {s.url: s.metrics().get("vllm:prefix_cache_hits_total", 0.0) for s in vllm_pair}
     for i in range(3):
@@ -132,14 +115,14 @@ def test_discovery_events_routing_loads_and_flush(vllm_pair, router):
     load = workers(r)[first]["reported_load"]
     assert load["running"] == 0 and load["waiting"] == 0 and 0 <= load["kv_usage"] <= 1
     assert load["prefix_queries"] >= load["prefix_hits"]
-    m = metrics(r)
+    m = r.metrics()
     assert m[f"worker_reported_prefix_hits@{first}"] == load["prefix_hits"]
     assert m[f"worker_kv_events_last_seq@{first}"] >= 0
 
     # flush: through /reset_prefix_cache; vLLM's cache is empty after it, so is the index
     status, reply = r.call("POST", "/flush_cache")
     assert status == 200, reply
-    wait_for(lambda: all(metrics(r).get(f"kv_index_blocks@{s.url}", 0) == 0 for s in vllm_pair),
+    wait_for(lambda: all(r.metrics().get(f"kv_index_blocks@{s.url}", 0) == 0 for s in vllm_pair),
              "the index emptied")  # fmt: skip
     before = holder.metrics()["vllm:prefix_cache_hits_total"]
     status, _ = holder.request("POST", "/v1/completions",
@@ -165,7 +148,7 @@ def test_publishers_given_by_hand_are_followed(vllm_pair, router, caplog):
     assert status == 400 and "port" in bad["error"]["message"]
     doc = document("beta")
     first = complete(r, doc)
-    wait_for(lambda: metrics(r).get(f"kv_index_blocks@{first}", 0) >= 8, "beta's blocks")
+    wait_for(lambda: r.metrics().get(f"kv_index_blocks@{first}", 0) >= 8, "beta's blocks")
     assert complete(r, doc + " again") == first
 
 
@@ -175,7 +158,7 @@ def settled(r: RouterProc, url: str) -> None:
     last, since = None, time.monotonic()
     deadline = since + 30.0
     while time.monotonic() < deadline:
-        now = metrics(r).get(f"kv_events_events_total@{url}")
+        now = r.metrics().get(f"kv_events_events_total@{url}")
         if now != last:
             last, since = now, time.monotonic()
         elif time.monotonic() - since >= 1.0:
@@ -196,9 +179,9 @@ def test_the_index_follows_vllm_through_evictions(vllm_pair, router):
     seen = []
     for text in sequence:
         settled(r, a.url)
-        m0, hits0 = metrics(r), a.metrics()["vllm:prefix_cache_hits_total"]
+        m0, hits0 = r.metrics(), a.metrics()["vllm:prefix_cache_hits_total"]
         complete(r, text)
-        expected = metrics(r)["kv_expected_hit_tokens_total"] - m0["kv_expected_hit_tokens_total"]
+        expected = r.metrics()["kv_expected_hit_tokens_total"] - m0["kv_expected_hit_tokens_total"]
         found = a.metrics()["vllm:prefix_cache_hits_total"] - hits0
         seen.append((expected, found))
     assert [e for e, _ in seen] == [f for _, f in seen], seen
