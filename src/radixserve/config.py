@@ -227,7 +227,7 @@ class ModelConfig:
         check_fields(self)
 
 
-def _choices(choices: tuple[str, ...] | str) -> tuple[str, ...]:
+def choices_of(choices: tuple[str, ...] | str) -> tuple[str, ...]:
     """A field's choices: listed, or "module:NAME" of a registry read when the flags are made
     (registries that import this module cannot be imported by it at load time)."""
     if isinstance(choices, str):
@@ -340,7 +340,7 @@ def add_dataclass_args(
             group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
             continue
         if "choices" in f.metadata:
-            kw["choices"] = _choices(f.metadata["choices"])
+            kw["choices"] = choices_of(f.metadata["choices"])
         if typing.get_origin(tp) is tuple:  # a list flag, as in sglang-router: --worker-urls A B C
             tp = typing.get_args(tp)[0]
             kw.update(nargs="*", metavar=f.metadata.get("metavar"))
