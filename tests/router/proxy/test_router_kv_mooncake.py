@@ -15,7 +15,7 @@ from radixserve.router.kvindex.mooncake_client import KvsMetadataConfig, Mooncak
 from radixserve.router.kvindex.mooncake_meta import present_prefix, store_keys
 from server_harness import ServerProcess
 from test_router_fleet import RouterProc
-from test_router_kv_procs import events_config, metrics, wait_for
+from test_router_kv_procs import events_config, wait_for
 
 pytest.importorskip("httptools")
 
@@ -47,9 +47,9 @@ def generate(target, ids: list[int]) -> int:
 
 def routed(router: RouterProc, ids: list[int]) -> tuple[dict[str, float], str]:
     """Send `ids` through the router: (the change of its kv metrics, the chosen worker's url)."""
-    before, sent = metrics(router), router.requests_per_worker()
+    before, sent = router.metrics(), router.requests_per_worker()
     assert generate(router, ids) == 200
-    after, now = metrics(router), router.requests_per_worker()
+    after, now = router.metrics(), router.requests_per_worker()
     [url] = [u for u in now if now[u] != sent.get(u)]
     return {k: after.get(k, 0) - before.get(k, 0) for k in after}, url
 
@@ -83,9 +83,9 @@ def test_store_holdings_route_and_survive_their_writer(cluster, procs):
                         "64", "--kvs-metadata-service-down-duration-s", "1",
                         "--kvs-retry-times", "1", "--kvs-retry-interval-ms", "10")  # fmt: skip
     procs.append(router)
-    wait_for(lambda: metrics(router).get("kvs_workers") == 3, "the workers' store segments")
+    wait_for(lambda: router.metrics().get("kvs_workers") == 3, "the workers' store segments")
     # A holds it on device (its KV events say so): A, nothing to load
-    wait_for(lambda: metrics(router).get(f"kv_index_blocks@{a.url}", 0) >= 10, "A's blocks")
+    wait_for(lambda: router.metrics().get(f"kv_index_blocks@{a.url}", 0) >= 10, "A's blocks")
     delta, url = routed(router, PREFIX + [7] * 20)
     assert url == a.url and delta["kvs_lookups_total"] == 1
     assert delta["kv_expected_hit_tokens_total"] == len(PREFIX)
@@ -93,7 +93,7 @@ def test_store_holdings_route_and_survive_their_writer(cluster, procs):
 
     # A's device pool forgets it; the store does not: whoever gets it loads the whole prefix
     assert a.post("/flush_cache", b"").status == 200
-    wait_for(lambda: metrics(router).get(f"kv_index_blocks@{a.url}", -1) == 0, "A flushed")
+    wait_for(lambda: router.metrics().get(f"kv_index_blocks@{a.url}", -1) == 0, "A flushed")
     delta, url = routed(router, PREFIX + [8] * 20)
     assert delta["kv_expected_hit_tokens_total"] == 0
     assert delta["kv_expected_loaded_tokens_total"] == len(PREFIX)
@@ -103,7 +103,7 @@ def test_store_holdings_route_and_survive_their_writer(cluster, procs):
     a.stop(check=False)
     for w in workers[1:]:
         assert w.post("/flush_cache", b"").status == 200
-        wait_for(lambda w=w: metrics(router).get(f"kv_index_blocks@{w.url}", 0) == 0, "flush")
+        wait_for(lambda w=w: router.metrics().get(f"kv_index_blocks@{w.url}", 0) == 0, "flush")
     delta, url = routed(router, PREFIX + [9] * 20)
     assert url != a.url and delta["kv_expected_loaded_tokens_total"] == len(PREFIX)
 
@@ -112,7 +112,7 @@ def test_store_holdings_route_and_survive_their_writer(cluster, procs):
     try:
         delta, url = routed(router, PREFIX + [20] * 20)
         assert delta["kv_expected_loaded_tokens_total"] == 0
-        assert delta["kvs_fallback_decisions_total"] == 1 and metrics(router)["kvs_up"] == 0
+        assert delta["kvs_fallback_decisions_total"] == 1 and router.metrics()["kvs_up"] == 0
         delta, _ = routed(router, PREFIX + [21] * 20)  # within the down duration: not asked
         assert delta["kvs_lookup_failures_total"] == 0 and delta["kvs_fallback_decisions_total"]
     finally:
@@ -120,7 +120,7 @@ def test_store_holdings_route_and_survive_their_writer(cluster, procs):
         cluster.wait_store_mounted()
     time.sleep(1.1)
     delta, _ = routed(router, PREFIX + [22] * 20)
-    assert delta["kvs_lookups_total"] == 1 and metrics(router)["kvs_up"] == 1
+    assert delta["kvs_lookups_total"] == 1 and router.metrics()["kvs_up"] == 1
 
 
 # ----- the simulated workers' store writes, without Mooncake -------------------------------------
