@@ -264,6 +264,7 @@ def test_kv_aware_hits_at_least_as_much_as_cache_aware_in_vllm(vllm_pair, router
         rates[policy] = hit_rate(vllm_pair, run)
         placed[policy] = (set(holder.values()), repeats)
         r.stop()
+    print("vLLM prefix-cache hit rate:", rates, "placed:", placed)
     spread, repeats = placed["kv_aware"]
     assert len(spread) == 2 and all(repeats), placed
     assert rates["kv_aware"] >= rates["cache_aware"], rates
