@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from radixserve.router.kvindex.block_index import InMemoryIndex
 from radixserve.router.kvindex.event_format import BlockRemoved, BlockStored, namespace_string
 from radixserve.router.policies.base import RequestView, WorkerView
@@ -276,3 +278,65 @@ def test_index_down_falls_back_to_the_tree_kept_while_it_answered():
     assert [policy.select(workers, view(ids + [9, g]), 1.0) for g, ids in enumerate(groups)] == (
         holders
     )
+
+
+class VllmLike:
+    """A worker as vLLM caches: after a request, the full blocks of its prompt are announced
+    (chained engine hashes derived from the content, each block once)."""
+
+    def __init__(self, policy, worker, block_size):
+        self.policy, self.worker, self.bs = policy, worker, block_size
+        self.held: set[int] = set()
+
+    def run(self, ids):
+        stored, parent = [], None
+        for end in range(self.bs, len(ids) + 1, self.bs):
+            h = hash(tuple(ids[:end])) & 0xFFFF_FFFF_FFFF
+            if h not in self.held:
+                self.held.add(h)
+                event = BlockStored((h,), parent, tuple(ids[end - self.bs : end]), self.bs, "")
+                stored.append(event)
+            parent = h
+        self.policy.index.apply(self.worker, stored)
+
+
+def one_at_a_time(policy, engines, prompts):
+    """Each prompt routed, run to completion (blocks announced) before the next: the picks."""
+    workers, picks = [WorkerView(e.worker) for e in engines], []
+    for ids in prompts:
+        req = view(ids)
+        i = policy.select(workers, req, 0.0)
+        policy.on_dispatch(workers[i].id, req, 0.0)
+        engines[i].run(ids)
+        policy.on_complete(workers[i].id, req, 0.0)
+        picks.append(i)
+    return picks
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 128])
+@pytest.mark.parametrize("repeated", ["each in turn", "one hot prompt"])
+def test_issue_26_new_prompts_spread_and_repeats_go_to_their_holder(block_size, repeated):
+    # Issue 26 on two vLLM workers: 4 new prompts of 684 tokens, then 12 repeats (the same 672
+    # leading tokens, a new 12-token suffix), one at a time. At 128-token blocks the holder has
+    # 640 of 684 tokens (93.6%) and that is all it can have: vLLM caches full blocks only.
+    policy = KvAwarePolicy()
+    engines = [VllmLike(policy, f"w{i}", block_size) for i in range(2)]
+    bodies = [[p * 100_000 + t for t in range(672)] for p in range(4)]
+    firsts = one_at_a_time(policy, engines, [b + [1] * 12 for b in bodies])
+    assert sorted(firsts) == [0, 0, 1, 1]  # spread, never piled on one worker
+    order = [k % 4 for k in range(12)] if repeated == "each in turn" else [0] * 12
+    repeats = [bodies[p] + [50 + k] * 12 for k, p in enumerate(order)]
+    picks = one_at_a_time(policy, engines, repeats)
+    assert picks == [firsts[p] for p in order]  # 12 of 12 to the holder
+
+
+def test_a_hold_counts_against_what_the_worker_can_serve():
+    # 684 tokens at 128-token blocks: 5 full blocks before the last token (640) are all a
+    # worker can hold, and holding them keeps it over the load gates and the spill.
+    policy = KvAwarePolicy(CachePolicyConfig(balance_abs_threshold=4, balance_rel_threshold=1.5))
+    engine = VllmLike(policy, "w0", 128)
+    ids = list(range(684))
+    engine.run(ids)
+    workers = [WorkerView("w0", load=10), WorkerView("w1", load=1)]
+    assert policy.cached_tokens(workers, view(ids))["w0"] == 640
+    assert policy.select(workers, view(ids), 0.0) == 0

@@ -11,7 +11,9 @@ import time
 
 import pytest
 
+from radixserve.router.proxy.kv_setup import load_tokenizer, prompt_ids
 from test_router_fleet import RouterProc
+from test_router_request_body import CHAT_CORPUS
 from vllm_harness import VllmServer, vllm_model_dir, vllm_python
 
 pytest.importorskip("httptools")
@@ -188,3 +190,64 @@ def test_the_index_follows_vllm_through_evictions(vllm_pair, router):
     assert seen[1][1] >= 13 * BLOCK  # the repeat hit its prefix
     assert seen[-2][1] < seen[1][1]  # doc0 was evicted by the four after it...
     assert seen[-1][1] >= 13 * BLOCK  # ...while the latest stayed
+
+
+def test_chat_and_completion_ids_match_vllms_tokenize(vllm_pair):
+    """The ids the router hashes are the ones vLLM prefills (item 2): its POST /tokenize, token
+    for token, on chats with system prompts, content parts, several turns, no generation
+    prompt and a continued final message, and on completions."""
+    a = vllm_pair[0]
+    root = json.loads(a.get("/v1/models")[1])["data"][0]["root"]
+    tok = load_tokenizer(root)
+    texts = [document("gamma", 20), "Héllo ✓ 日本\n\n  spaced  ", "a"]
+    bodies = [{"prompt": t} for t in texts] + [body for body, _ in CHAT_CORPUS]
+    for body in bodies:
+        status, reply = a.request("POST", "/tokenize", {"model": "smollm2", **body})
+        assert status == 200, reply
+        assert prompt_ids(body, tok) == json.loads(reply)["tokens"], body
+
+
+def hit_rate(servers, run) -> float:
+    """vLLM's own prefix-cache hit rate (hit tokens over queried tokens, both servers) over
+    what `run()` sends."""
+    keys = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
+    before = [[s.metrics().get(k, 0.0) for k in keys] for s in servers]
+    run()
+    after = [[s.metrics().get(k, 0.0) for k in keys] for s in servers]
+    hits, queries = (sum(x[j] - b[j] for x, b in zip(after, before)) for j in range(2))
+    return hits / queries
+
+
+def test_kv_aware_hits_at_least_as_much_as_cache_aware_in_vllm(vllm_pair, router):
+    """Item 3 on the real engines: 4 new documents, then 12 repeats with new suffixes, one at a
+    time, the same for each policy (caches flushed between): vLLM's own prefix-cache hit rate
+    under kv_aware is at least cache_aware's, every repeat goes to its holder, and the new
+    documents spread over both workers."""
+    docs = [document(f"delta{i}") for i in range(4)]
+    rates, placed = {}, {}
+    for policy in ("cache_aware", "kv_aware"):
+        r = router("--policy", policy)
+        wait_for(lambda r=r: len(workers(r)) == 2, "both workers")
+        if policy == "kv_aware":
+            wait_for(lambda r=r: all(w.get("kv_events") for w in workers(r).values()),
+                     "both publishers")  # fmt: skip
+        assert r.call("POST", "/flush_cache")[0] == 200
+        holder: dict[int, str] = {}
+        repeats: list[bool] = []
+
+        def run(r=r, holder=holder, repeats=repeats) -> None:
+            for k, doc in enumerate(docs):
+                holder[k] = complete(r, doc)
+                settled(r, holder[k])
+            for k in range(12):
+                url = complete(r, docs[k % 4] + f" question {k}")
+                repeats.append(url == holder[k % 4])
+                settled(r, url)
+
+        rates[policy] = hit_rate(vllm_pair, run)
+        placed[policy] = (set(holder.values()), repeats)
+        r.stop()
+    print("vLLM prefix-cache hit rate:", rates, "placed:", placed)
+    spread, repeats = placed["kv_aware"]
+    assert len(spread) == 2 and all(repeats), placed
+    assert rates["kv_aware"] >= rates["cache_aware"], rates

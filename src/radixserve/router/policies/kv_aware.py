@@ -60,7 +60,11 @@ Registered as `--policy kv_aware`; pure (no I/O, no clock)."""
 # prefill it saves); here queued tokens weigh PENDING_WEIGHT (1/4), because a miss also copies
 # the prefix into a second pool, where it evicts what later requests would have hit. The
 # smallest score wins; ties go to the worker with fewer requests in flight (decode load), then
-# at random.
+# to the one sent fewest requests lately (DispatchShares' decayed count), then at random. The
+# second tie-break spreads new prefixes that arrive one at a time on an idle fleet (every
+# worker at zero load and zero queue): they go round the workers. With a random draw there,
+# issue 26 saw 4 new prompts of 4 land on one of two vLLM workers, and the spill below then
+# moved their repeats away from it.
 #
 # Guards (prefill tokens alone do not see decode work, which piles up on the holder of a hot
 # prefix; without them one engine of eight took no request at all in a simulated chat run):
@@ -74,10 +78,14 @@ Registered as `--policy kv_aware`; pure (no I/O, no clock)."""
 #     worker. Its own slack, not cache_aware's share_slack: 5% measured best for kv_aware in
 #     the sweep (at cache_aware's 3% kv_aware lost 0.2-1.7 more points of hits on the Mooncake
 #     trace).
-#   - Spill never moves a request off a pick that holds KEEP_SHARE (95%) of its prompt or
-#     more, and the two gates above never skip such a worker: there the hit is nearly the
-#     whole prefill (the request adds little work), and sending it elsewhere copies the
-#     prompt into a second pool as well.
+#   - Spill never moves a request off a pick that holds KEEP_SHARE (95%) or more of what it
+#     could ever serve of the prompt, and the two gates above never skip such a worker: there
+#     the hit is nearly the whole prefill (the request adds little work), and sending it
+#     elsewhere copies the prompt into a second pool as well. What a worker can serve is the
+#     prompt's full blocks at its block size before the last token (servable): an engine
+#     never caches a partial block and always computes the last token. Measured against the
+#     prompt's length the rule never fired at vLLM's block sizes: with 128-token blocks a
+#     holder of a 684-token prompt has 640 tokens (93.6%), all it can have (issue 26).
 #   - A worker that published events once and is unknown now (its stream broke, it restarted)
 #     is expected to hold nothing, not scored from the tree: the tree is what went stale. While
 #     the index cannot answer at all (Redis down) every worker is scored from the tree, which
@@ -187,7 +195,7 @@ class KvAwarePolicy(RouterPolicy):
         # Workers holding KEEP_SHARE of the prompt stay eligible over the load gates and are
         # never spilled from: the request adds the last few percent of its prefill there, the
         # whole prompt elsewhere.
-        keeps = {i for i in healthy if cached.get(workers[i].id, 0) >= KEEP_SHARE * size}
+        keeps = {i for i in healthy if self._keeps(workers[i].id, cached, size)}
         gated = set(eligible)
         eligible = [i for i in healthy if i in gated or i in keeps]
         self._shares.observe([workers[i].id for i in eligible])
@@ -195,12 +203,23 @@ class KvAwarePolicy(RouterPolicy):
         if placed is not None:
             return placed
 
-        def score(i: int) -> tuple[float, int, float]:
+        def score(i: int) -> tuple[float, int, float, float]:
             w = workers[i]
             work = prefill_work(size, cached.get(w.id, 0), loadable.get(w.id, 0), w.kv_load_ratio)
-            return (work + PENDING_WEIGHT * self.pending(w), w.load, self.rng.random())
+            recent = self._shares.count(w.id)
+            return (work + PENDING_WEIGHT * self.pending(w), w.load, recent, self.rng.random())
 
         return self._spill(workers, eligible, min(eligible, key=score), keeps)
+
+    def _block_size(self, worker: Hashable) -> int:
+        """The block size `worker` caches in: its events', its in-flight prompts', or the
+        default."""
+        return self.index.block_size(worker) or self._flight.block_size(worker) or INFLIGHT_BLOCK
+
+    def _keeps(self, worker: Hashable, cached: dict[Hashable, int], size: int) -> bool:
+        """Whether `worker` holds KEEP_SHARE of what it could ever serve of the prompt."""
+        held = cached.get(worker, 0)
+        return held > 0 and held >= KEEP_SHARE * servable(size, self._block_size(worker))
 
     def _spill(
         self, workers: Sequence[WorkerView], eligible: list[int], pick: int, keeps: set[int]
@@ -440,6 +459,13 @@ def prefill_work(size: int, cached: int, loadable: int, ratio: float | None) -> 
     held = min(max(cached, loadable), size)
     load = max(0, held - cached)
     return size - held + (DEFAULT_LOAD_RATIO if ratio is None else ratio) * load
+
+
+def servable(size: int, block_size: int) -> int:
+    """The most of a prompt of ``size`` tokens a worker caching whole blocks of ``block_size``
+    can serve from cache: its full blocks before the last token, which the engine always
+    computes (vLLM caps a hit at size - 1 tokens, block-aligned; so does our scheduler)."""
+    return max(0, (size - 1) // block_size * block_size)
 
 
 def prompt_size(request: RequestView) -> int:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from radixserve.router.kvindex.subscriber import EventPlane
 from radixserve.router.policies.base import RequestView, RouterPolicy
 from radixserve.router.policies.kv_aware import KvAwarePolicy
-from radixserve.router.proxy.request_body import extract_prompt
+from radixserve.router.proxy.request_body import Prompt, extract_prompt
 
 if TYPE_CHECKING:
     from radixserve.router.kvindex.mooncake_reader import MooncakeStoreReader
@@ -65,9 +65,35 @@ def prompt_ids(payload: dict[str, Any], tok: Tokenizer) -> list[int] | None:
     if prompt.ids is not None:
         return prompt.ids
     if prompt.messages is not None:
-        text = tok.apply_chat_template(prompt.messages, True)
-        return tok.encode(text, add_special_tokens=False)
+        text = render_chat(tok, prompt)
+        return None if text is None else tok.encode(text, add_special_tokens=False)
     return tok.encode(prompt.text) if prompt.text else None
+
+
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+"""Appended to the last message to find where its content ends in the rendered chat."""
+
+
+def render_chat(tok: Tokenizer, prompt: Prompt) -> str | None:
+    """A chat prompt as text, as vLLM renders it (through HF transformers' apply_chat_template):
+    with ``continue_final_message`` the text ends right after the last message's content (no
+    end of turn, no generation prompt), found by rendering it with a marker appended and
+    cutting there (trailing spaces too where the template trims the content). None where the
+    worker refuses the request (the last message has no text, or the template drops it)."""
+    messages = prompt.messages or []
+    if not prompt.continue_final_message:
+        return tok.apply_chat_template(messages, prompt.add_generation_prompt)
+    last = messages[-1]
+    if not last.get("content"):
+        return None
+    marked = [*messages[:-1], {**last, "content": last["content"] + CONTINUE_TAG}]
+    text = tok.apply_chat_template(marked, False)
+    at = text.rfind(CONTINUE_TAG.strip())
+    if at < 0 or last["content"].strip() not in text:
+        return None
+    if text[at : at + len(CONTINUE_TAG)] == CONTINUE_TAG:
+        return text[:at]
+    return text[:at].rstrip()
 
 
 class KvRouting:

@@ -24,12 +24,15 @@ class Prompt:
     ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None
     text: str | None = None
+    add_generation_prompt: bool = True  # chat only: the assistant's turn opened after them
+    continue_final_message: bool = False  # chat only: the last message left open instead
 
 
 def extract_prompt(payload: dict[str, Any]) -> Prompt:
     """The prompt of a /generate, /v1/completions or /v1/chat/completions body: `input_ids`,
-    else `messages`, else `text`, else `prompt`; a batch routes on its first prompt, and a
-    prompt that is a list of ints is token ids (OpenAI's prompt may be)."""
+    else `messages` (with `add_generation_prompt`, default true, and `continue_final_message`,
+    default false, as vLLM reads them), else `text`, else `prompt`; a batch routes on its
+    first prompt, and a prompt that is a list of ints is token ids (OpenAI's prompt may be)."""
     ids = payload.get("input_ids")
     if _is_ids(ids):
         return Prompt(ids=ids)
@@ -37,7 +40,15 @@ def extract_prompt(payload: dict[str, Any]) -> Prompt:
     if isinstance(messages, list) and messages:
         if not all(isinstance(m, dict) for m in messages):
             return Prompt()
-        return Prompt(messages=[chat_message(m) for m in messages])
+        opened = payload.get("add_generation_prompt", True)
+        continued = payload.get("continue_final_message", False)
+        if type(opened) is not bool or type(continued) is not bool or (opened and continued):
+            return Prompt()  # the worker refuses it (vLLM: both true is an error)
+        return Prompt(
+            messages=[chat_message(m) for m in messages],
+            add_generation_prompt=opened,
+            continue_final_message=continued,
+        )
     text = payload.get("text", payload.get("prompt"))
     if isinstance(text, list) and text and not _is_ids(text):
         text = text[0]  # a batch routes on its first prompt
