@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("torch")
 
 from radixserve.config import CacheConfig, ModelConfig, SchedulerConfig  # noqa: E402
-from radixserve.kvstore.host_pool import HostKVPool  # noqa: E402
+from radixserve.model.host_pool import HostKVPool  # noqa: E402
 from radixserve.model.runner import TorchRunner  # noqa: E402
 from radixserve.sched.request import Req, SamplingParams  # noqa: E402
 from radixserve.sched.scheduler import Scheduler  # noqa: E402

@@ -44,7 +44,9 @@ class Worker:
     push: zmq.Socket
     realtime: bool
     events: KVEventPlane | None = None  # KV-cache events of the tree, published per step
-    tiers: Any = None  # kvstore.HostKVPool: the host tier's bytes (None: no tier, or simulated)
+    tiers: Any = (
+        None  # model.host_pool.HostKVPool: the host tier's bytes (None: no tier, or simulated)
+    )
     store: Any = None  # --sim-kv-store: SimStoreWriter, fed each finished prompt
     live: dict[str, Req] = field(default_factory=dict)  # requests whose tokens go out
     # prompt logprobs computed by prefill chunks, by position, until the first token goes out
@@ -237,6 +239,6 @@ def _host_pool(runner: Any, scheduler: Scheduler) -> Any:
     host, pool = scheduler.kv.host, getattr(runner, "kv", None)
     if host is None or pool is None:
         return None
-    from radixserve.kvstore.host_pool import HostKVPool
+    from radixserve.model.host_pool import HostKVPool
 
     return HostKVPool(pool, host.total)
