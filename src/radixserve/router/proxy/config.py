@@ -149,6 +149,14 @@ class RouterConfig:
         "kv_aware: the workers' tokenizer (model dir or GGUF; default: what the workers report "
         "in /get_model_info)",
     )
+    tokenize_workers: int = _f(
+        4,
+        "kv_aware: threads that tokenize prompts off the event loop (HF tokenizers releases "
+        "the GIL while it encodes), so a long prompt never stalls other requests; 0: tokenize "
+        "on the event loop",
+        ge=0,
+        le=256,
+    )
     api_key: str | None = _f(None, "bearer key required on inference endpoints")
     admin_api_key: str | None = _f(
         None,
