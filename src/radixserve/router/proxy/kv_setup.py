@@ -78,14 +78,13 @@ def render_chat(tok: Tokenizer, prompt: Prompt) -> str | None:
     """A chat prompt as text, as vLLM renders it (through HF transformers' apply_chat_template):
     with ``continue_final_message`` the text ends right after the last message's content (no
     end of turn, no generation prompt), found by rendering it with a marker appended and
-    cutting there (trailing spaces too where the template trims the content). None where the
-    worker refuses the request (the last message has no text, or the template drops it)."""
+    cutting there (trailing spaces too where the template trims the content; an empty last
+    message leaves its turn's header open, as vLLM renders it). None where the worker refuses
+    the request (the template drops the last message)."""
     messages = prompt.messages or []
     if not prompt.continue_final_message:
         return tok.apply_chat_template(messages, prompt.add_generation_prompt)
     last = messages[-1]
-    if not last.get("content"):
-        return None
     marked = [*messages[:-1], {**last, "content": last["content"] + CONTINUE_TAG}]
     text = tok.apply_chat_template(marked, False)
     at = text.rfind(CONTINUE_TAG.strip())
