@@ -141,3 +141,12 @@ def test_tokenize_workers_flag_bounds():
     assert RouterConfig().tokenize_workers >= 1  # on by default
     with pytest.raises(ValueError, match="tokenize_workers"):
         with_flags(RouterConfig, tokenize_workers=-1)
+
+
+def test_a_long_body_that_is_no_json_object_is_a_400_from_the_pool(workers, make_router):  # noqa: F811
+    tok = GatedTokenizer()
+    r = kv_router(make_router, [workers[0].url], tok, tokenize_workers=2)
+    for bad in (b"{" + b"x" * 4000, b"[" + b'"a",' * 2000 + b'"a"]'):
+        status, body = call("POST", r.addr, "/generate", bad)
+        assert status == 400 and "JSON object" in body["error"]["message"]
+    assert call("POST", r.addr, "/generate", {"text": SHORT})[0] == 200  # still serving

@@ -80,6 +80,7 @@ class Router(Endpoints):
         self._tokenizing = (
             ThreadPoolExecutor(workers, thread_name_prefix="router-tokenize") if workers else None
         )
+        self._timeout_said = float("-inf")
         self.registry.poll_loads = True  # _read_load asks each kind for its own load report
         self.registry.load_reader = self._read_load
         overrides = {check_url(u): src for u, src in config.kv_event_overrides().items()}
@@ -288,8 +289,11 @@ class Router(Endpoints):
                     view, failed = await asyncio.wait_for(job, TOKENIZE_TIMEOUT_SECS)
                 except TimeoutError:
                     kv.tokenize_timeouts += 1
-                    log.warning("tokenizing a prompt of %d bytes took over %.0f s: routed "
-                                "without its token ids", len(body), TOKENIZE_TIMEOUT_SECS)  # fmt: skip
+                    if kv.tokenize_timeouts == 1 or time.monotonic() - self._timeout_said > 60:
+                        self._timeout_said = time.monotonic()  # said at most once a minute
+                        log.warning("tokenizing a prompt of %d bytes took over %.0f s (%d so "
+                                    "far): routed without its token ids", len(body),
+                                    TOKENIZE_TIMEOUT_SECS, kv.tokenize_timeouts)  # fmt: skip
                     view, failed = await self._parsed(body, False)
                 kv.tokenize_errors += failed
                 return view
