@@ -1,7 +1,7 @@
 """The router's added latency when kv_aware tokenizes long prompts: on the event loop (before,
 `--tokenize-workers 0`) against the tokenizing threads (after, the default), in the same run.
 
-    python benchmarks/router_decision_cost.py            # about 2 minutes on 2 cores
+    python benchmarks/router_decision_cost.py            # 7 minutes on a busy 2-core VM
     python benchmarks/router_decision_cost.py --quick    # a fifth of the requests
 
 Workers are tests/fake_worker.py processes (instant answers). Each router is its own process,
@@ -217,7 +217,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a fifth of the requests")
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--requests", type=int, default=1280, help="requests per round and target")
+    ap.add_argument("--requests", type=int, default=640, help="requests per round and target")
     ap.add_argument("--tokenize-workers", type=int, default=TOKENIZE_WORKERS,
                     help="the 'after' router's (default: the router's own)")  # fmt: skip
     ap.add_argument("--only", default="long,mixed", help="comma-separated workloads")
