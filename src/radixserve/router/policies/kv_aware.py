@@ -69,7 +69,8 @@ Registered as `--policy kv_aware`; pure (no I/O, no clock)."""
 # Guards (prefill tokens alone do not see decode work, which piles up on the holder of a hot
 # prefix; without them one engine of eight took no request at all in a simulated chat run):
 #   - Prompts shorter than cache_aware_scheduling_min_tokens (Llumnix's flag) carry no prefix
-#     worth chasing: they go to the least loaded worker (requests, then pending prefill).
+#     worth chasing: they go to the least loaded worker (requests, then pending prefill, then
+#     the fewest sent lately: one at a time on an idle fleet they go round the workers).
 #   - A worker overloaded in sglang-router's sense (load - floor > balance_abs_threshold AND
 #     load > floor * balance_rel_threshold, in requests), or busier than the mean load by more
 #     than Poisson noise (mean + 2 * sqrt(mean) + 1), is skipped.
@@ -187,7 +188,7 @@ class KvAwarePolicy(RouterPolicy):
         size = prompt_size(request)
         if size < self.config.cache_aware_scheduling_min_tokens:
             self._shares.observe([workers[i].id for i in eligible])
-            return min(eligible, key=lambda i: (workers[i].load, self.pending(workers[i])))
+            return min(eligible, key=lambda i: self._least_loaded(workers[i]))
         cached = self._cached(workers, healthy, request, size)
         self._matches = (request, cached)
         loadable = self.loadable_tokens(workers, healthy, request, size)
@@ -210,6 +211,12 @@ class KvAwarePolicy(RouterPolicy):
             return (work + PENDING_WEIGHT * self.pending(w), w.load, recent, self.rng.random())
 
         return self._spill(workers, eligible, min(eligible, key=score), keeps)
+
+    def _least_loaded(self, w: WorkerView) -> tuple[int, int, float]:
+        """Short prompts' order: requests in flight, queued prefill, then requests sent lately
+        (so that short prompts arriving one at a time on an idle fleet go round the workers
+        rather than all to the first one, as new prefixes do)."""
+        return w.load, self.pending(w), self._shares.count(w.id)
 
     def _block_size(self, worker: Hashable) -> int:
         """The block size `worker` caches in: its events', its in-flight prompts', or the
