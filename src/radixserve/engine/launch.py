@@ -108,7 +108,7 @@ class EngineConfig:
                 "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch."),
                 "attention_backend": runner.backend.name,
                 # what a kv_aware router charges for KV this engine loads instead of computing
-                # (measured only where there is a lower tier to load from: it costs 2 prefills)
+                # (only where there is a lower tier to load from: it costs two 1,024-token prefills)
                 "kv_load_to_prefill_ratio": measure_load_ratio(runner)
                 if self.cache.enable_hierarchical_cache else None}  # fmt: skip
         return runner, self.cache, info
