@@ -43,8 +43,9 @@ Registered as `--policy kv_aware`; pure (no I/O, no clock)."""
 # (benchmarks/kv_aware_headroom.py). It needs per-worker holdings, which the in-memory index
 # has; an index that reports none (Redis, as the router reads it) leaves the score to decide.
 #
-# Lower tiers (issue 28). Tokens a worker can load rather than compute (from its host tier, or
-# from a KV store every worker reads: Mooncake Store, as its master's metadata says; TierSource)
+# Lower tiers (issue 28). Tokens a worker can load rather than compute (from its host tier, as
+# its KV events' `medium` announces it (HostTier), or from a KV store every worker reads:
+# Mooncake Store, as its master's metadata says; TierSource)
 # cost their load time in prefill tokens: loadable(w) - cached(w) tokens weigh the worker's
 # reported load-to-prefill ratio (WorkerView.kv_load_ratio: seconds to load a token over seconds
 # to prefill one, as the engine measures them). So the first term reads
@@ -105,7 +106,7 @@ from radixserve.router.kvindex.block_index import (
     keys_by_size,
     leading_held,
 )
-from radixserve.router.kvindex.tiers import TierSource
+from radixserve.router.kvindex.tiers import HostTier, TierSource
 from radixserve.router.policies.base import RequestView, RouterPolicy, WorkerView, healthy_indices
 from radixserve.router.policies.config import CachePolicyConfig
 from radixserve.router.policies.shares import DispatchShares
@@ -166,7 +167,9 @@ class KvAwarePolicy(RouterPolicy):
     ) -> None:
         super().__init__(config, seed)
         self.index = index if index is not None else InMemoryIndex()
-        self.lower = tuple(lower)  # host tiers, KV stores: what workers can load, not compute
+        # what workers can load, not compute: their own host tiers (the index's lower media,
+        # from KV events), then KV stores every worker reads
+        self.lower = (HostTier(self.index), *lower)
         self.loaded_tokens = 0  # dispatched prompt tokens the pick was expected to load
         self.tree = MultiTenantTree(node_units=NODE_UNITS)  # the fallback's approximate view
         self._pending: dict[Hashable, dict[int, _Record]] = {}

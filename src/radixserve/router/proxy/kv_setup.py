@@ -265,6 +265,7 @@ def hash_seed() -> int:
 
 def open_mooncake(config: RouterConfig) -> tuple[MooncakeStoreReader, KvAwarePolicy]:
     from radixserve.router.kvindex.mooncake_reader import MooncakeIndexConfig, MooncakeStoreReader
+    from radixserve.router.proxy.kvs_transport import PooledMaster
 
     mc = MooncakeIndexConfig(
         config.mooncake_address,
@@ -278,5 +279,5 @@ def open_mooncake(config: RouterConfig) -> tuple[MooncakeStoreReader, KvAwarePol
         config.kvs_timeout_ms,
         config.cache_policy.cache_aware_scheduling_min_tokens,
     )
-    reader = MooncakeStoreReader(mc)
+    reader = MooncakeStoreReader(mc, PooledMaster(mc.address, mc.timeout_ms / 1000))
     return reader, KvAwarePolicy(config.cache_policy, lower=(reader,))
