@@ -28,6 +28,7 @@ class HostTreeMixin:
     _protected: int
     _evq: Any
     listeners: list[Any]
+    host_listeners: list[Any]
 
     def host_size(self) -> int:
         """Host slots the tree holds (host-only nodes and host copies of device nodes)."""
@@ -54,6 +55,8 @@ class HostTreeMixin:
         node.host = slots
         self._host_held += len(slots)
         self.host.store(node.value, slots)  # type: ignore[union-attr]
+        for listener in self.host_listeners:
+            listener.on_host_store(node)
         return True
 
     def _backup_path(self, node: TreeNode) -> None:
@@ -98,6 +101,8 @@ class HostTreeMixin:
     def _forget_host(self, node: TreeNode) -> None:
         host = self.host
         assert host is not None and node.host is not None and node.value is None
+        for listener in self.host_listeners:
+            listener.on_host_remove(node)
         host.allocator.free(node.host)
         host.heap.drop(node)
         n = len(node.host)
@@ -257,6 +262,8 @@ class HostTreeMixin:
         self._host_held += n
         self._host_only += n
         self.host.heap.offer(leaf)  # type: ignore[union-attr]
+        for listener in self.host_listeners:
+            listener.on_host_store(leaf)
         return n
 
     # -- integrity -------------------------------------------------------------------------------
