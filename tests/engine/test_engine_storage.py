@@ -16,6 +16,8 @@ import pytest
 pytest.importorskip("torch")
 
 from radixserve import Engine  # noqa: E402
+from radixserve.cache.hashing import block_hashes  # noqa: E402
+from radixserve.kvstore.storage import HEADER, PageFormat  # noqa: E402
 from tiny_models import build_tiny_model  # noqa: E402
 
 CHUNK = 16
@@ -53,16 +55,24 @@ def logprobs(out: dict) -> list[float]:
     return [t[0] for t in out["meta_info"]["output_token_logprobs"]]
 
 
-@pytest.mark.parametrize("policy", ["wait_complete", "timeout"])
-def test_engine_b_loads_what_engine_a_wrote(model_dir, tmp_path, policy: str) -> None:
-    store = tmp_path / "kv"
-    a = engine(model_dir, store, policy)
+@pytest.fixture(scope="module")
+def written(model_dir, tmp_path_factory) -> tuple[Path, dict, dict]:
+    """Engine A's store: the pages of PROMPT_B, written once; A's output and its store info."""
+    store = tmp_path_factory.mktemp("kv-a") / "kv"
+    a = engine(model_dir, store)
     try:
         out_a = a.generate(input_ids=PROMPT_B, sampling_params=SP)
         stats = wait_written(a, len(SHARED) // CHUNK)
         assert stats["storage_bytes_written"] > 0
+        info = a.procs.info["kv_store"]
     finally:
         a.shutdown()
+    return store, out_a, info
+
+
+def serve_b(model_dir: Path, store: Path, policy: str) -> tuple[dict, dict, dict, dict]:
+    """Engine B on ``store``: the request loaded, again (device), B's own recomputation (the
+    store emptied, the cache flushed), and B's stats."""
     b = engine(model_dir, store, policy)
     try:
         got = b.generate(input_ids=PROMPT_B, sampling_params=SP)
@@ -73,13 +83,43 @@ def test_engine_b_loads_what_engine_a_wrote(model_dir, tmp_path, policy: str) ->
         recompute = b.generate(input_ids=PROMPT_B, sampling_params=SP)
     finally:
         b.shutdown()
+    assert again["meta_info"]["cached_tokens_details"]["device"] > 0
+    assert recompute["meta_info"]["cached_tokens"] == 0
+    assert got["output_ids"] == recompute["output_ids"]
+    assert logprobs(got) == pytest.approx(logprobs(recompute), abs=1e-4)
+    return got, again, recompute, stats
+
+
+@pytest.mark.parametrize("policy", ["wait_complete", "timeout"])
+def test_engine_b_loads_what_engine_a_wrote(model_dir, written, tmp_path, policy: str) -> None:
+    store = tmp_path / "kv"
+    shutil.copytree(written[0], store)
+    got, _, _, stats = serve_b(model_dir, store, policy)
     meta = got["meta_info"]
     loaded = (len(PROMPT_B) - 1) // CHUNK * CHUNK
     assert meta["cached_tokens_details"] == {"device": 0, "host": 0, "storage": loaded}
     assert meta["cached_tokens"] == loaded
-    assert again["meta_info"]["cached_tokens_details"]["device"] > 0
-    assert recompute["meta_info"]["cached_tokens"] == 0
-    assert got["output_ids"] == out_a["output_ids"] == recompute["output_ids"]
-    assert logprobs(got) == pytest.approx(logprobs(recompute), abs=1e-4)
+    assert got["output_ids"] == written[1]["output_ids"]
     assert stats["storage_pages_read"] == loaded // CHUNK and stats["storage_bytes_read"] > 0
     assert stats["storage_prefetch_waits"] == 1 and stats["storage_cached_tokens"] == loaded
+
+
+@pytest.mark.parametrize("forged", ["namespace", "size"])
+def test_a_foreign_or_wrong_size_page_is_refused_and_recomputed(
+    model_dir, written, tmp_path, forged: str
+) -> None:
+    """The store's second page replaced by a value of another namespace, or of another size,
+    under the same key: B loads the first page only and computes the rest."""
+    store = tmp_path / "kv"
+    shutil.copytree(written[0], store)
+    info = written[2]
+    key = f"{info['namespace']}_{block_hashes(PROMPT_B, CHUNK, info['hash_algo'])[1]}"
+    [path] = [p for p in store.rglob(key)]
+    nbytes = path.stat().st_size - HEADER.size
+    fmt = PageFormat("another-model" if forged == "namespace" else info["namespace"],
+                     nbytes if forged == "namespace" else nbytes // 2)  # fmt: skip
+    path.write_bytes(fmt.frame(key, bytes(fmt.page_nbytes)))
+    got, _, _, stats = serve_b(model_dir, store, "wait_complete")
+    assert got["meta_info"]["cached_tokens_details"] == {"device": 0, "host": 0, "storage": CHUNK}
+    assert stats["storage_refused_pages"] == 1 and stats["storage_prefetch_failures"] == 1
+    assert got["output_ids"] == written[1]["output_ids"]

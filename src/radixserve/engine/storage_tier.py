@@ -255,9 +255,7 @@ class StorageTier:
         """Start the prefetch of ``req``'s chunks beyond what either tier holds. True when the
         request is to wait here (``poll`` hands it back); False: queue it now."""
         ids, ns = req.input_ids, req.namespace
-        if len(ids) < self.chunk + 1 or req.rid in self.fetches or not self.backend.available:
-            if not self.backend.available:
-                self.counts.storage_up = 0
+        if len(ids) < self.chunk + 1 or req.rid in self.fetches or not self._may_try():
             return False
         # the last token is always computed: only chunks before it can be loaded
         n = (len(ids) - 1) // self.chunk * self.chunk
@@ -277,6 +275,13 @@ class StorageTier:
             self.counts.storage_prefetch_waits += 1
         self._fetch_q.put(f)
         return wait
+
+    def _may_try(self) -> bool:
+        """False while the backend is marked down and its down duration runs: a lookup would
+        be refused at once, so the request is not held for it (the first one after the
+        duration goes through, and reconnects)."""
+        gate = getattr(self.backend, "gate", None)
+        return gate is None or gate.up or gate.clock() >= gate.down_until
 
     def waiting(self) -> bool:
         """Prefetches in flight (the scheduler loop then polls often instead of sleeping)."""
