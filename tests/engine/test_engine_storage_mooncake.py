@@ -112,3 +112,54 @@ def test_engine_b_loads_the_prefix_engine_a_computed(cluster, procs) -> None:
     assert metric(b, "radixserve_hicache_storage_bytes_read") > 0
     # held for their lookup: the loaded request and the salted one (a miss)
     assert metric(b, "radixserve_hicache_storage_prefetch_waits") == 2
+
+
+def prompt(seed: int, n: int = 600) -> list[int]:
+    r = random.Random(seed)
+    return [r.randrange(200, 40000) for _ in range(n)]
+
+
+def down_lines(p: ServerProcess) -> int:
+    return sum("storage backend mooncake is down" in line for line in p.lines)
+
+
+def test_faults_lose_no_request_and_never_load_wrong_bytes(cluster, procs) -> None:
+    """Store down at start-up (serves, says so once, comes back when it is up), master killed
+    and restarted mid-run (requests recompute meanwhile; the tier comes back empty and fills
+    again), the holder of the pages killed (listed but unreadable: recomputed)."""
+    cluster.kill_master()
+    c = engine(cluster, procs, down_duration_s=2)
+    first = generate(c, prompt(1))
+    generate(c, prompt(2))
+    assert first["meta_info"]["cached_tokens"] == 0
+    assert c.stats()["storage_up"] == 0 and down_lines(c) == 1  # said once, not per request
+
+    cluster.start_master()
+    cluster.wait_store_mounted()
+    time.sleep(2.5)  # the down duration: the next call reconnects
+    generate(c, prompt(3))
+    wait_stat(c, "storage_pages_written", 2)  # back: prompt 3's two chunks are in the store
+    assert c.stats()["storage_up"] == 1
+
+    cluster.kill_master()  # mid-run: every key is lost with it
+    assert generate(c, prompt(4))["meta_info"]["cached_tokens"] == 0  # recomputed, no error
+    cluster.start_master()
+    cluster.wait_store_mounted()
+    time.sleep(2.5)
+    p5 = prompt(5)
+    want = generate(c, p5)
+    wait_stat(c, "storage_pages_written", 4)  # the tier is back: prompt 5 written
+    assert c.post("/flush_cache", {}).status == 200
+    got = generate(c, p5)
+    assert got["meta_info"]["cached_tokens_details"]["storage"] == 512
+    assert got["output_ids"] == want["output_ids"]
+
+    cluster.kill_store()  # the holder: its keys stay listed a while, reads fail
+    assert c.post("/flush_cache", {}).status == 200
+    failures = c.stats()["storage_prefetch_failures"]
+    again = generate(c, p5)
+    assert again["meta_info"]["cached_tokens"] == 0  # recomputed, not loaded
+    assert again["output_ids"] == want["output_ids"]
+    assert c.stats()["storage_prefetch_failures"] == failures + 1
+    assert not c.errors()
+    cluster.start_store()
