@@ -25,6 +25,7 @@ rng = random.Random(5)
 SHARED = [rng.randrange(4, 300) for _ in range(100)]
 PROMPT_A = SHARED + [rng.randrange(4, 300) for _ in range(7)]
 PROMPT_B = SHARED + [rng.randrange(4, 300) for _ in range(9)]
+LOADED = (len(PROMPT_B) - 1) // CHUNK * CHUNK  # whole chunks before the last token
 SP = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True, "return_logprob": True}
 
 
@@ -90,13 +91,23 @@ def serve_b(model_dir: Path, store: Path, policy: str) -> tuple[dict, dict, dict
     return got, again, recompute, stats
 
 
+def test_best_effort_never_holds_a_request(model_dir, written, tmp_path) -> None:
+    """best_effort: queued at once; what landed by its admission is used (all or none here)."""
+    store = tmp_path / "kv"
+    shutil.copytree(written[0], store)
+    got, _, _, stats = serve_b(model_dir, store, "best_effort")
+    assert stats["storage_prefetch_waits"] == 0 and stats["storage_prefetch_lookups"] == 1
+    assert got["meta_info"]["cached_tokens_details"]["storage"] in (0, LOADED)
+    assert got["output_ids"] == written[1]["output_ids"]
+
+
 @pytest.mark.parametrize("policy", ["wait_complete", "timeout"])
 def test_engine_b_loads_what_engine_a_wrote(model_dir, written, tmp_path, policy: str) -> None:
     store = tmp_path / "kv"
     shutil.copytree(written[0], store)
     got, _, _, stats = serve_b(model_dir, store, policy)
     meta = got["meta_info"]
-    loaded = (len(PROMPT_B) - 1) // CHUNK * CHUNK
+    loaded = LOADED
     assert meta["cached_tokens_details"] == {"device": 0, "host": 0, "storage": loaded}
     assert meta["cached_tokens"] == loaded
     assert got["output_ids"] == written[1]["output_ids"]

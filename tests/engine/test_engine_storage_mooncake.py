@@ -9,8 +9,11 @@ killed and restarted mid-run, pages gone mid-run."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
+import signal
+import threading
 import time
 
 import pytest
@@ -91,7 +94,7 @@ def test_engine_b_loads_the_prefix_engine_a_computed(cluster, procs) -> None:
     wait_stat(a, "storage_pages_written", LOADABLE // CHUNK)  # the 7 whole chunks
     a.stop()  # its pages live in the store process's segment, not in A
 
-    b = engine(cluster, procs)
+    b = engine(cluster, procs, rpc_timeout_ms=60000)  # a hung master holds a lookup a minute
     info = b.get("/get_server_info").json()["kv_store"]
     assert info["chunk_size"] == CHUNK and info["segment"] is None
     got = generate(b, PROMPT)
@@ -112,6 +115,22 @@ def test_engine_b_loads_the_prefix_engine_a_computed(cluster, procs) -> None:
     assert metric(b, "radixserve_hicache_storage_bytes_read") > 0
     # held for their lookup: the loaded request and the salted one (a miss)
     assert metric(b, "radixserve_hicache_storage_prefetch_waits") == 2
+
+    # a request waiting on its prefetch holds up no other: with the master hung (SIGSTOP), a
+    # new prompt's lookup cannot finish, yet a short request (nothing to look up) is served
+    os.kill(cluster.master.pid, signal.SIGSTOP)
+    try:
+        held: list[dict] = []
+        t = threading.Thread(target=lambda: held.append(generate(b, prompt(99))), daemon=True)
+        t.start()
+        wait_stat(b, "storage_prefetch_waits", 3)  # it is held now
+        short = generate(b, prompt(98, 100))
+        assert short["meta_info"]["completion_tokens"] == SP["max_new_tokens"]
+        assert t.is_alive() and not held  # still waiting for its prefetch
+    finally:
+        os.kill(cluster.master.pid, signal.SIGCONT)
+    t.join(120)
+    assert held and held[0]["meta_info"]["cached_tokens"] == 0
 
 
 def prompt(seed: int, n: int = 600) -> list[int]:

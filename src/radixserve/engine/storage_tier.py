@@ -228,7 +228,8 @@ class StorageTier:
         pages = self.pool.read_device_pages(page_slots, chunk)
         new = [keys[i] for i in todo]
         self._remember(new)  # queued: not gathered again meanwhile (forgotten if it fails)
-        self._write_pages += len(new)
+        with self._known_lock:
+            self._write_pages += len(new)
         self._write_q.put((new, pages))
 
     def _run_writes(self) -> None:
@@ -240,7 +241,8 @@ class StorageTier:
                 self._forget(keys)
                 log.warning("storage tier: write failed: %r", e)
             finally:
-                self._write_pages -= len(keys)
+                with self._known_lock:
+                    self._write_pages -= len(keys)
 
     def _write(self, keys: list[str], pages: list[Any]) -> None:
         skip = self.backend.exists_prefix(keys)  # written once: what is there is not sent again
