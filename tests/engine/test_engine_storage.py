@@ -134,3 +134,24 @@ def test_a_foreign_or_wrong_size_page_is_refused_and_recomputed(
     assert got["meta_info"]["cached_tokens_details"] == {"device": 0, "host": 0, "storage": CHUNK}
     assert stats["storage_refused_pages"] == 1 and stats["storage_prefetch_failures"] == 1
     assert got["output_ids"] == written[1]["output_ids"]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_stored_page_layout_and_round_trip(dtype: str) -> None:
+    """A stored page is [layers, 2, chunk, heads, dim] of the device pool's bytes (the
+    namespace's layout); written into host slots it gives back the same K/V."""
+    import torch
+
+    from radixserve.model.host_pool import HostKVPool
+    from radixserve.model.kv_pool import KVPool
+
+    pool = KVPool(3, 256, 2, 8, getattr(torch, dtype), "cpu")
+    pool.kv.normal_()
+    host = HostKVPool(pool, 512)
+    slots = list(range(200, 232))[::-1]  # any order: a page follows its slots
+    pages = host.read_device_pages(slots, CHUNK)
+    assert len(pages) == 2
+    want = pool.kv[:, :, slots[CHUNK:]].contiguous().view(torch.uint8).numpy().tobytes()
+    assert bytes(pages[1]) == want
+    host.write_host_pages(list(range(300, 332)), bytearray(b"".join(pages)), CHUNK)
+    assert torch.equal(host.kv[:, :, 300:332], pool.kv[:, :, slots])
