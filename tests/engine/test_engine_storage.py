@@ -155,3 +155,28 @@ def test_stored_page_layout_and_round_trip(dtype: str) -> None:
     assert bytes(pages[1]) == want
     host.write_host_pages(list(range(300, 332)), bytearray(b"".join(pages)), CHUNK)
     assert torch.equal(host.kv[:, :, 300:332], pool.kv[:, :, slots])
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--hicache-storage-backend", "file"], "only with --enable-hierarchical-cache"),
+        (["--enable-hierarchical-cache", "--hicache-storage-prefetch-policy", "timeout"],
+         "only with --hicache-storage-backend"),
+        (["--enable-hierarchical-cache", "--hicache-storage-backend", "file",
+          "--hicache-storage-backend-extra-config", "{bad"], "is not JSON"),
+        (["--enable-hierarchical-cache", "--hicache-storage-backend", "file",
+          "--hicache-storage-backend-extra-config", '{"chunk_size": 0}'], "chunk_size must be"),
+        (["--sim", "tiny-cpu", "--enable-hierarchical-cache", "--hicache-storage-backend", "file"],
+         "needs a real model"),
+    ],
+)  # fmt: skip
+def test_bad_storage_flags_are_one_line_errors(args: list[str], says: str) -> None:
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "radixserve", "serve", *args],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert run.returncode == 2
+    [line] = run.stderr.strip().splitlines()
+    assert says in line
