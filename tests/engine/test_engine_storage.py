@@ -180,3 +180,11 @@ def test_bad_storage_flags_are_one_line_errors(args: list[str], says: str) -> No
     assert run.returncode == 2
     [line] = run.stderr.strip().splitlines()
     assert says in line
+
+
+def test_prefetch_timeout_is_sglangs() -> None:
+    from radixserve.engine.storage_tier import prefetch_timeout_s
+
+    assert prefetch_timeout_s(0) == 2.0
+    assert prefetch_timeout_s(2048) == pytest.approx(2.2)
+    assert prefetch_timeout_s(10**7) == 30.0
