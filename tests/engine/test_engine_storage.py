@@ -188,3 +188,11 @@ def test_prefetch_timeout_is_sglangs() -> None:
     assert prefetch_timeout_s(0) == 2.0
     assert prefetch_timeout_s(2048) == pytest.approx(2.2)
     assert prefetch_timeout_s(10**7) == 30.0
+
+
+def test_models_that_share_a_name_do_not_share_a_namespace(model_dir, tmp_path) -> None:
+    from radixserve.engine.storage_tier import weights_identity
+
+    other = build_tiny_model("llama3", tmp_path / "other", seed=1)  # same name, other weights
+    assert weights_identity(model_dir) == weights_identity(model_dir)
+    assert weights_identity(other) != weights_identity(model_dir)

@@ -268,7 +268,7 @@ def run_scheduler(engine_config: Any, endpoints: Endpoints, ready: Any, parent_p
     settings = engine_config.storage_settings()
     if settings is not None and tiers is not None:
         try:
-            storage = _storage_tier(settings, info, tiers, engine_config.model.model)
+            storage = _storage_tier(settings, info, tiers, engine_config.model)
         except (ValueError, RuntimeError, OSError) as e:
             ready.send(("error", f"--hicache-storage-backend: {e}"))
             return
@@ -288,15 +288,18 @@ def _kv_events(engine_config: Any, scheduler: Scheduler) -> KVEventPlane | None:
     return KVEventPlane(engine_config.kv_events, scheduler.cache)
 
 
-def _storage_tier(settings: Any, info: dict[str, Any], pool: Any, model_arg: Any) -> Any:
-    """The storage tier of a real engine: its namespace names the model and the KV layout, so
-    only engines whose pages are byte-compatible share keys."""
+def _storage_tier(settings: Any, info: dict[str, Any], pool: Any, model_config: Any) -> Any:
+    """The storage tier of a real engine: its namespace names the model (its name and a digest
+    of its weight files) and the KV layout, so only engines whose pages are byte-compatible
+    share keys (two fine-tunes of one name do not)."""
     from radixserve.cache.hashing import KVNamespace
-    from radixserve.engine.storage_tier import StorageTier
+    from radixserve.engine.storage_tier import StorageTier, weights_identity
+    from radixserve.modelfiles.locate import resolve_model_dir
 
     layers, _, _, heads, dim = pool.kv.shape
-    ns = KVNamespace(str(info.get("model") or model_arg), str(info.get("kv_cache_dtype")),
-                     int(layers), int(heads), int(dim), settings.chunk_size)  # fmt: skip
+    model = f"{info.get('model')}@{weights_identity(resolve_model_dir(model_config))}"
+    ns = KVNamespace(model, str(info.get("kv_cache_dtype")), int(layers), int(heads), int(dim),
+                     settings.chunk_size)  # fmt: skip
     return StorageTier(settings, ns, pool)
 
 

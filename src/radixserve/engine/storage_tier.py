@@ -42,6 +42,22 @@ KNOWN_KEYS_MAX = 1 << 17  # keys remembered as stored (never gathered again whil
 PRIVATE_PREFIX = "prompt-logprobs:"  # a request's own namespace: nobody else could reuse it
 
 
+def weights_identity(model_dir: Any, head_bytes: int = 1 << 20) -> str:
+    """A digest of a model directory's config and weight files (their names, sizes and first
+    MiB): part of the storage namespace, so models that share a name never share pages."""
+    import hashlib
+    from pathlib import Path
+
+    h = hashlib.sha256()
+    root = Path(model_dir)
+    for path in sorted(root.iterdir()):
+        if path.name == "config.json" or path.suffix in (".safetensors", ".bin", ".gguf", ".pt"):
+            h.update(f"{path.name}:{path.stat().st_size}:".encode())
+            with open(path, "rb") as f:
+                h.update(f.read(head_bytes))
+    return h.hexdigest()[:16]
+
+
 def prefetch_timeout_s(tokens: int) -> float:
     """SGLang's timeout policy: 2 s + 0.1 s per 1,024 tokens, at most 30 s."""
     return min(2.0 + 0.1 * tokens / 1024, 30.0)
