@@ -50,6 +50,7 @@ PURE = [
     "radixserve.engine.engine",
     "radixserve.engine.scheduler_proc",
     "radixserve.engine.kv_events",
+    "radixserve.engine.storage_tier",
     "radixserve.engine.detokenizer",
     "radixserve.server.app",
     "radixserve.server.cli",

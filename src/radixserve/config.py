@@ -82,6 +82,23 @@ class CacheConfig:
         "when device KV is copied to the host tier (default write_through)",
         choices=("write_through", "write_through_selective", "write_back"),
     )
+    hicache_storage_backend: str | None = _f(
+        None,
+        "a third tier below the host tier: KV pages written once to a store shared by engines, "
+        "prefetched into the host tier (needs --enable-hierarchical-cache)",
+        choices=("mooncake", "file"),
+    )
+    hicache_storage_backend_extra_config: str | None = _f(
+        None,
+        "JSON: the backend's settings (mooncake: master_server_address, te_port_range, "
+        "client_port_range, ...; file: path) plus chunk_size, hash_algo, seed, write_queue_pages",
+    )
+    hicache_storage_prefetch_policy: str | None = _f(
+        None,
+        "how long a request waits for its storage prefetch (default best_effort; timeout: "
+        "2 s + 0.1 s per 1k tokens, at most 30 s)",
+        choices=("best_effort", "wait_complete", "timeout"),
+    )
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -102,6 +119,14 @@ class CacheConfig:
             )
         if self.hicache_size < 0:
             raise ValueError(f"--hicache-size must be >= 0 GB, got {self.hicache_size}")
+        storage = [name for name, unset in (
+            ("--hicache-storage-backend-extra-config", self.hicache_storage_backend_extra_config is None),
+            ("--hicache-storage-prefetch-policy", self.hicache_storage_prefetch_policy is None)) if not unset]  # fmt: skip
+        if storage and self.hicache_storage_backend is None:
+            raise ValueError(f"{', '.join(storage)}: only with --hicache-storage-backend")
+        if self.hicache_storage_backend is not None and not self.enable_hierarchical_cache:
+            raise ValueError("--hicache-storage-backend: only with --enable-hierarchical-cache "
+                             "(pages come back through the host tier)")  # fmt: skip
         if self.enable_hierarchical_cache and self.disable_radix_cache:
             raise ValueError("--enable-hierarchical-cache needs the radix cache")
 

@@ -176,3 +176,30 @@ def test_random_operations_keep_the_events_equal_to_the_tree(page_size, block_si
         assert len(held) == tr.num_blocks
     tr.check()
     cache.check_integrity()
+
+
+# -- the host tier: medium "CPU" ----------------------------------------------------------------
+def test_host_copies_are_announced_with_medium_cpu() -> None:
+    from radixserve.cache.pool import SlotAllocator
+    from radixserve.cache.tiers import HostTier
+
+    cache = RadixCache(CacheConfig(max_total_tokens=64), HostTier(128, 1, "write_through"))
+    alloc = SlotAllocator(64)
+    tracker = BlockTracker(cache, block_size=4)
+    tokens = list(range(100, 112))
+    cache.insert(tokens, alloc.alloc(12))
+    stored = tracker.take()
+    assert [(type(e).__name__, e.medium) for e in stored] == [("BlockStored", "GPU"),
+                                                               ("BlockStored", "CPU")]  # fmt: skip
+    gpu, cpu = stored
+    assert cpu.block_hashes == gpu.block_hashes and cpu.token_ids == gpu.token_ids
+    alloc.free_runs(cache.evict_runs(12))  # off the device, kept on the host
+    assert [(type(e).__name__, e.medium) for e in tracker.take()] == [("BlockRemoved", "GPU")]
+    cache.evict_host(12)  # and off the host
+    [removed] = tracker.take()
+    assert removed.medium == "CPU" and removed.block_hashes == gpu.block_hashes
+    # pages fetched from the storage tier land on the host: announced there
+    cache.insert_host(tokens, cache.alloc_host(12), None)
+    [landed] = tracker.take()
+    assert landed.medium == "CPU" and landed.block_hashes == gpu.block_hashes
+    assert landed.wire()["medium"] == "CPU"

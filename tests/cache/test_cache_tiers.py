@@ -223,3 +223,34 @@ def test_insert_through_a_host_node_takes_the_fresh_slots() -> None:
 def test_unplaced_config_refuses_unknown_policy() -> None:
     with pytest.raises(ValueError, match="write policy"):
         HostTier(10, 1, "write_around")
+
+
+# -- pages from the storage tier (insert_host) ----------------------------------------------------
+def test_insert_host_hangs_storage_pages_below_what_either_tier_holds() -> None:
+    cache, alloc = tiered("write_through")
+    cache_one(cache, alloc, list(range(100, 110)))
+    alloc.free_runs(cache.evict_runs(6))  # the leaf leaves the device: kept on the host
+    tokens = list(range(100, 130))
+    assert cache.cached_len(tokens) == 10  # read only: both tiers, nothing split
+    slots = cache.alloc_host(20)
+    assert cache.insert_host(tokens, slots, None, start=10) == 20
+    assert cache.cached_len(tokens) == 30
+    m = cache.match_prefix(tokens)
+    chain = cache.match_host(tokens, m.last_node, m.length, 30)
+    assert m.length == 0 and sum(len(n.key) for n in chain) == 30  # evicted part + fetched
+    cache.check_integrity()
+
+
+def test_insert_host_frees_the_slots_of_what_is_held_or_cannot_hang() -> None:
+    cache, alloc = tiered("write_through", host=128)
+    cache_one(cache, alloc, list(range(10)))
+    free = cache.host.allocator.available()
+    # positions 5..14: 5..9 are held (their slots freed), 10..14 are new
+    assert cache.insert_host(list(range(15)), cache.alloc_host(10), None, start=5) == 5
+    assert cache.host.allocator.available() == free - 5
+    # a gap before start: the pages cannot hang anywhere, nothing inserted, all slots freed
+    assert cache.insert_host(list(range(50, 70)), cache.alloc_host(10), None, start=10) == 0
+    assert cache.host.allocator.available() == free - 5
+    cache.check_integrity()
+    assert cache.evict_host(100) == 5  # the fetched host-only leaf is evictable like any other
+    cache.check_integrity()

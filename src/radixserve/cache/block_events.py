@@ -26,6 +26,7 @@ from typing import Any
 from radixserve.cache.hashing import ALGORITHMS
 from radixserve.cache.kv_event_types import (  # noqa: F401  (KVEvent: re-exported)
     MEDIUM,
+    MEDIUM_HOST,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -66,6 +67,7 @@ class BlockTracker:
         self.pending: list[KVEvent] = []
         self.num_blocks = 0
         cache.listeners.append(self)
+        cache.host_listeners.append(self)
 
     # -- hashes ------------------------------------------------------------------------------
     def external(self, state: Any) -> int:
@@ -115,6 +117,44 @@ class BlockTracker:
             self.pending[-1].block_hashes.extend(hashes)
         else:
             self.pending.append(BlockRemoved(hashes, MEDIUM))
+
+    # -- the host tier (medium "CPU", as vLLM's CPU offloading announces its blocks) ----------
+    def on_host_store(self, node: TreeNode) -> None:
+        """``node``'s KV got a host copy: its full blocks are stored in the host medium too."""
+        got = self._path_blocks(node)
+        if got is not None:
+            states, parent, tokens, namespace = got
+            hashes = [self.external(s) for s in states]
+            ns = engine_namespace(namespace)
+            self.pending.append(BlockStored(hashes, parent, tokens, self.block_size, ns,
+                                            MEDIUM_HOST))  # fmt: skip
+
+    def on_host_remove(self, node: TreeNode) -> None:
+        """``node``'s host copy is gone: its full blocks left the host medium."""
+        got = self._path_blocks(node)
+        if got is not None:
+            self.pending.append(BlockRemoved([self.external(s) for s in got[0]], MEDIUM_HOST))
+
+    def _path_blocks(self, node: TreeNode) -> tuple[list[Any], Any, list[int], Any] | None:
+        """The chain states of the full blocks whose last token lies in ``node``, their parent
+        hash (None at a chain's root), their tokens and the namespace; hashed from the path
+        (host-only nodes keep no states here)."""
+        parts: list[list[int]] = []
+        top = node
+        while top.key:
+            parts.append(top.key.tolist())
+            top = top.parent  # type: ignore[assignment]
+        path = [t for part in reversed(parts) for t in part]
+        bs = self.block_size
+        end, start = len(path), len(path) - len(node.key)
+        first, last = start // bs, end // bs
+        if first == last:
+            return None
+        namespace = self._namespace_of(top)
+        root = self._root_state(namespace)
+        states = self._algo.chain(root, path[: last * bs], bs, self.hash_seed)
+        parent = None if first == 0 else self.external(states[first - 1])
+        return states[first:], parent, path[first * bs : last * bs], namespace
 
     def clear(self) -> None:
         """The cache was reset: forget every block and announce AllBlocksCleared."""

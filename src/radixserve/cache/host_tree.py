@@ -28,6 +28,7 @@ class HostTreeMixin:
     _protected: int
     _evq: Any
     listeners: list[Any]
+    host_listeners: list[Any]
 
     def host_size(self) -> int:
         """Host slots the tree holds (host-only nodes and host copies of device nodes)."""
@@ -54,6 +55,8 @@ class HostTreeMixin:
         node.host = slots
         self._host_held += len(slots)
         self.host.store(node.value, slots)  # type: ignore[union-attr]
+        for listener in self.host_listeners:
+            listener.on_host_store(node)
         return True
 
     def _backup_path(self, node: TreeNode) -> None:
@@ -98,6 +101,8 @@ class HostTreeMixin:
     def _forget_host(self, node: TreeNode) -> None:
         host = self.host
         assert host is not None and node.host is not None and node.value is None
+        for listener in self.host_listeners:
+            listener.on_host_remove(node)
         host.allocator.free(node.host)
         host.heap.drop(node)
         n = len(node.host)
@@ -191,6 +196,76 @@ class HostTreeMixin:
         for listener in self.listeners:
             listener.on_insert(node)
 
+    # -- pages from a lower tier (the storage tier's prefetch) ------------------------------------
+    def cached_len(self, tokens: Sequence[int], namespace: Any = None) -> int:
+        """Leading tokens of ``tokens`` (whole pages) held in either tier; read only: no split,
+        no access recorded (the storage tier asks this before it looks further)."""
+        page = self.page_size  # type: ignore[attr-defined]
+        end = len(tokens) - len(tokens) % page
+        node = self.root.children.get(namespace)  # type: ignore[attr-defined]
+        pos = 0
+        while node is not None and pos < end:
+            child = node.children.get(self._child_key(tokens, pos))  # type: ignore[attr-defined]
+            if child is None:
+                break
+            n = _common(child.key, tokens, pos, end)
+            pos += n - n % page
+            if n < len(child.key):
+                break
+            node = child
+        return pos
+
+    def alloc_host(self, n: int) -> array | None:
+        """``n`` host slots (whole pages), evicting host-only leaves for them; None if the host
+        tier cannot make that many free."""
+        if self.host is None or n % self.page_size:  # type: ignore[attr-defined]
+            return None
+        return self._host_alloc(n)
+
+    def free_host(self, slots: array) -> None:
+        """Give back host slots from ``alloc_host`` that no node took."""
+        if len(slots):
+            self.host.allocator.free(slots)  # type: ignore[union-attr]
+
+    def insert_host(
+        self, tokens: Sequence[int], slots: array, namespace: Any = None, start: int = 0
+    ) -> int:
+        """Cache ``tokens[start:]`` (whole pages), whose KV the caller has written at host
+        ``slots`` (one per position from ``start``), as host-only nodes below what either tier
+        holds. ``tokens[:start]`` must be held already (else nothing is inserted); the slots
+        of positions held already, or not inserted, are freed. Returns the tokens gained."""
+        page = self.page_size  # type: ignore[attr-defined]
+        end = len(tokens) - len(tokens) % page
+        if len(slots) != end - start or start % page:
+            raise ValueError(f"positions {start}..{end} but {len(slots)} host slots")
+        tokens = list(tokens[:end])
+        root = self._namespaces.get(namespace) or self.namespace_root(namespace)  # type: ignore[attr-defined]
+        node, pos = root, 0
+        while pos < end:
+            child = node.children.get(self._child_key(tokens, pos))  # type: ignore[attr-defined]
+            if child is None:
+                break
+            n = _common(child.key, tokens, pos, end)
+            n -= n % page
+            if n < len(child.key):
+                child = self._split(child, n)  # type: ignore[attr-defined]
+            pos += n
+            node = child
+        if pos < start or pos == end:
+            self.free_host(slots)
+            return 0
+        self.free_host(slots[: pos - start])
+        leaf = TreeNode(self._encode(tokens[pos:end]), None, node, self._tick)  # type: ignore[attr-defined]
+        leaf.host = slots[pos - start :]
+        node.children[self._child_key(tokens, pos)] = leaf  # type: ignore[attr-defined]
+        n = end - pos
+        self._host_held += n
+        self._host_only += n
+        self.host.heap.offer(leaf)  # type: ignore[union-attr]
+        for listener in self.host_listeners:
+            listener.on_host_store(leaf)
+        return n
+
     # -- integrity -------------------------------------------------------------------------------
     def _check_host(self, nodes: list[TreeNode]) -> None:
         held = only = 0
@@ -216,3 +291,11 @@ class HostTreeMixin:
             alloc = self.host.allocator
             assert alloc.available() + held == alloc.total, "host slots leak"
             self.host.heap.check(leaves)
+
+
+def _common(key: array, tokens: Sequence[int], pos: int, end: int) -> int:
+    """How many of ``key``'s tokens equal ``tokens[pos:end]``'s, from the start."""
+    n = min(len(key), end - pos)
+    if key[:n].tolist() == list(tokens[pos : pos + n]):
+        return n
+    return next(i for i, (a, b) in enumerate(zip(key, tokens[pos : pos + n])) if a != b)

@@ -24,6 +24,9 @@ EngineHash = int | bytes | str
 MEDIUM = "GPU"
 """vLLM's name for the engine's own KV pool, whatever the device."""
 
+MEDIUM_HOST = "CPU"
+"""vLLM's name (its CPU offloading's) for host memory: blocks in the host KV tier."""
+
 _SEP = "\x1f"
 
 

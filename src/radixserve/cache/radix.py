@@ -55,6 +55,8 @@ class RadixCache(HostTreeMixin):
         self._rekey_on_access = not self._policy.monotone  # mru: an access lowers the key
         self._benefit = name == "hit-benefit"  # only this policy pays for the decayed sums
         self.listeners: list[TreeListener] = []
+        # told when a node's KV gains or loses its host copy (on_host_store / on_host_remove)
+        self.host_listeners: list[Any] = []
         self.reset()
 
     # -- sizes -------------------------------------------------------------------------------

@@ -85,6 +85,7 @@ class IncrementalDetokenizer:
             out.rid, delta, list(out.token_ids), finished, reason, out.prompt_tokens,
             out.cached_tokens, out.completion_tokens, matched, out.logprobs,
             out.prompt_logprobs, out.prompt_logprob_start, out.host_cached_tokens,
+            out.storage_cached_tokens,
         )  # fmt: skip
 
     def close(self, rid: str) -> None:

@@ -292,7 +292,9 @@ def _result(text: str, ids: list[int], out: TextOut) -> dict[str, Any]:
             "prompt_tokens": out.prompt_tokens,
             "completion_tokens": out.completion_tokens,
             "cached_tokens": out.cached_tokens,
-            "cached_tokens_details": cached_details(out.cached_tokens, out.host_cached_tokens),
+            "cached_tokens_details": cached_details(
+                out.cached_tokens, out.host_cached_tokens, out.storage_cached_tokens
+            ),
             "matched_stop": out.matched_stop,
         },
     }

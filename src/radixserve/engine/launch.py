@@ -44,6 +44,26 @@ class EngineConfig:
             if self.sim is None:
                 raise ValueError("--sim-kv-store needs --sim (a real engine writes real pages)")
             object.__setattr__(self, "sim_kv_store", parse_sim_store(self.sim_kv_store))
+        if self.cache.hicache_storage_backend is not None:
+            if self.sim is not None:
+                raise ValueError("--hicache-storage-backend needs a real model (a simulated "
+                                 "engine has no KV bytes; see --sim-kv-store)")  # fmt: skip
+            self.storage_settings()  # a bad extra-config is one line before any process starts
+
+    def storage_settings(self) -> Any:
+        """The storage tier's settings (engine.storage_tier.StorageSettings), or None."""
+        c = self.cache
+        if c.hicache_storage_backend is None:
+            return None
+        from radixserve.engine.storage_tier import StorageSettings
+
+        s = StorageSettings.parse(c.hicache_storage_backend,
+                                  c.hicache_storage_backend_extra_config,
+                                  c.hicache_storage_prefetch_policy)  # fmt: skip
+        if s.chunk_size % c.page_size:
+            raise ValueError(f"--hicache-storage-backend-extra-config chunk_size {s.chunk_size} "
+                             f"must be a multiple of --page-size {c.page_size}")  # fmt: skip
+        return s
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -96,6 +96,7 @@ class TokenOut:
     prompt_logprobs: list[TokenLogprob] | None = None
     prompt_logprob_start: int = 0
     host_cached_tokens: int = 0  # of cached_tokens, loaded from the host tier
+    storage_cached_tokens: int = 0  # of cached_tokens, loaded from the storage tier
 
 
 @dataclass(slots=True)
@@ -118,6 +119,7 @@ class TextOut:
     prompt_logprobs: list[TokenLogprob] | None = None
     prompt_logprob_start: int = 0
     host_cached_tokens: int = 0  # of cached_tokens, loaded from the host tier
+    storage_cached_tokens: int = 0  # of cached_tokens, loaded from the storage tier
 
 
 @dataclass(slots=True)
@@ -125,6 +127,6 @@ class TextBatch:
     outputs: list[TextOut]
 
 
-def cached_details(total: int, host: int) -> dict[str, int]:
+def cached_details(total: int, host: int, storage: int = 0) -> dict[str, int]:
     """Cached prompt tokens by the KV tier they came from (``total`` is their sum)."""
-    return {"device": total - host, "host": host}
+    return {"device": total - host - storage, "host": host, "storage": storage}

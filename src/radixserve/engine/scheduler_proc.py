@@ -32,6 +32,7 @@ from radixserve.engine.procutil import Endpoints, exit_with_parent
 from radixserve.sched.batch import Batch, StepResult, TokenLogprob
 from radixserve.sched.request import FinishReason, Req, TokenOutput
 from radixserve.sched.scheduler import Scheduler
+from radixserve.sched.validate import check_request
 
 
 @dataclass(slots=True)
@@ -48,6 +49,7 @@ class Worker:
         None  # model.host_pool.HostKVPool: the host tier's bytes (None: no tier, or simulated)
     )
     store: Any = None  # --sim-kv-store: SimStoreWriter, fed each finished prompt
+    storage: Any = None  # --hicache-storage-backend: engine.storage_tier.StorageTier
     live: dict[str, Req] = field(default_factory=dict)  # requests whose tokens go out
     # prompt logprobs computed by prefill chunks, by position, until the first token goes out
     prompt_lp: dict[str, dict[int, TokenLogprob]] = field(default_factory=dict)
@@ -56,6 +58,8 @@ class Worker:
         if isinstance(msg, GenerateReq):
             self._add(msg)
         elif isinstance(msg, (AbortReq, StopReq)):
+            if self.storage is not None:  # waiting on its prefetch: not handed back
+                self.storage.cancel(msg.rid)
             if isinstance(msg, AbortReq):
                 self.scheduler.abort(msg.rid)
             else:
@@ -80,8 +84,16 @@ class Worker:
             grammar = msg.sampling.grammar
             self.push.send_pyobj(ErrorOut(msg.rid, str(e), 400, grammar and grammar[0]))
             return
+        s = self.scheduler
         try:
-            self.scheduler.add_request(req)
+            if self.storage is None:
+                s.add_request(req)
+            else:  # checked now: a request that waits on its prefetch is queued later
+                if req.rid in self.live:
+                    raise ValueError(f"request id {req.rid!r} is already in use")
+                check_request(req, s.context_length, s.kv.total, s.kv.page)
+                if not self.storage.lookup(req, s.cache):
+                    s.add_request(req)
         except ValueError as e:
             self.push.send_pyobj(ErrorOut(msg.rid, str(e), 400))
             return
@@ -97,7 +109,10 @@ class Worker:
                 self.events.cleared()
             return flushed
         if msg.op == "stats":
-            return self.scheduler.stats()
+            stats = self.scheduler.stats()
+            if self.storage is None:
+                return stats
+            return {**dataclasses.asdict(stats), **self.storage.stats()}
         if msg.op == "kv_events_snapshot":
             return self.events.snapshot() if self.events is not None else None
         if msg.op == "kv_events_stats":
@@ -135,6 +150,8 @@ class Worker:
         if batch.kv_copies and self.tiers is not None:
             self.tiers.apply(batch.kv_copies)  # before the forward may overwrite a slot they read
         result = self.runner.run(batch)
+        if self.storage is not None:
+            self._store_prompts(batch)
         if self.realtime and result.duration:
             time.sleep(result.duration)
         lps = self._logprobs(batch, result)
@@ -143,6 +160,26 @@ class Worker:
         if sent:
             self.push.send_pyobj(TokenBatch(sent))
         return True
+
+    def _store_prompts(self, batch: Batch) -> None:
+        """Prompts this forward completed go to the storage tier (gathered now, written by its
+        thread), while their slots are surely theirs."""
+        for e in batch.entries:
+            if e.is_prefill and e.sample and e.start_pos + len(e.token_ids) >= len(e.prompt_ids):
+                req = self.live.get(e.rid)
+                if req is not None:
+                    self.storage.offer_write(req.input_ids, req.namespace, e.slots)
+
+    def _queue_fetched(self) -> None:
+        """Land finished prefetches; queue the requests that waited on them."""
+        for req in self.storage.poll(self.scheduler.cache):
+            if self.live.get(req.rid) is not req:  # aborted meanwhile
+                continue
+            try:
+                self.scheduler.add_request(req)
+            except ValueError as e:  # checked before it waited: not expected
+                del self.live[req.rid]
+                self.push.send_pyobj(ErrorOut(req.rid, str(e), 400))
 
     def _logprobs(self, batch: Batch, result: StepResult) -> dict[str, TokenLogprob]:
         """The sampled tokens' logprobs by request; prompt logprobs go to ``prompt_lp``."""
@@ -170,6 +207,10 @@ class Worker:
         out = TokenOut(o.rid, [o.token_id], o.finished, reason, len(req.input_ids),
                        o.cached_tokens, req.num_generated, matched)  # fmt: skip
         out.host_cached_tokens = o.host_cached_tokens
+        if self.storage is not None:
+            out.host_cached_tokens, out.storage_cached_tokens = self.storage.split_cached(
+                o.rid, o.host_cached_tokens, o.finished
+            )
         if logprob is not None:
             out.logprobs = [logprob]
         prompt = self.prompt_lp.pop(o.rid, None)
@@ -181,7 +222,11 @@ class Worker:
     def loop(self) -> None:
         busy = False
         while True:
-            self.drain(None if busy else 1000)
+            storage = self.storage
+            idle_ms = 1000 if storage is None or not storage.waiting() else 2
+            self.drain(None if busy else idle_ms)
+            if storage is not None:
+                self._queue_fetched()
             busy = self.step()
             if self.events is not None:  # what the tree did this turn, as one batch
                 self.events.flush()
@@ -218,10 +263,20 @@ def run_scheduler(engine_config: Any, endpoints: Endpoints, ready: Any, parent_p
             ready.send(("error", f"--sim-kv-store: {e}"))
             return
         info["kv_store"] = store.info()
-    ready.send(("ready", {"pid": os.getpid(), **info}))
     tiers = _host_pool(runner, scheduler)
+    storage = None
+    settings = engine_config.storage_settings()
+    if settings is not None and tiers is not None:
+        try:
+            storage = _storage_tier(settings, info, tiers, engine_config.model)
+        except (ValueError, RuntimeError, OSError) as e:
+            ready.send(("error", f"--hicache-storage-backend: {e}"))
+            return
+        info["kv_store"] = storage.info()
+    ready.send(("ready", {"pid": os.getpid(), **info}))
     worker = Worker(scheduler, runner, pull, push, engine_config.sim is not None, events, tiers)
     worker.store = store
+    worker.storage = storage
     worker.loop()
 
 
@@ -231,6 +286,21 @@ def _kv_events(engine_config: Any, scheduler: Scheduler) -> KVEventPlane | None:
     if engine_config.kv_events is None or not engine_config.kv_events.enable_kv_cache_events:
         return None
     return KVEventPlane(engine_config.kv_events, scheduler.cache)
+
+
+def _storage_tier(settings: Any, info: dict[str, Any], pool: Any, model_config: Any) -> Any:
+    """The storage tier of a real engine: its namespace names the model (its name and a digest
+    of its weight files) and the KV layout, so only engines whose pages are byte-compatible
+    share keys (two fine-tunes of one name do not)."""
+    from radixserve.cache.hashing import KVNamespace
+    from radixserve.engine.storage_tier import StorageTier, weights_identity
+    from radixserve.modelfiles.locate import resolve_model_dir
+
+    layers, _, _, heads, dim = pool.kv.shape
+    model = f"{info.get('model')}@{weights_identity(resolve_model_dir(model_config))}"
+    ns = KVNamespace(model, str(info.get("kv_cache_dtype")), int(layers), int(heads), int(dim),
+                     settings.chunk_size)  # fmt: skip
+    return StorageTier(settings, ns, pool)
 
 
 def _host_pool(runner: Any, scheduler: Scheduler) -> Any:

@@ -56,6 +56,30 @@ class HostKVPool:
             self.device_pool.write_slots(_ids(dst, self.device_pool.kv.device), data)
             self.bytes_loaded += len(dst) * self.bytes_per_slot
 
+    # -- pages of the storage tier (engine.storage_tier) -------------------------------------
+    def read_device_pages(self, slots: Sequence[int], chunk: int) -> list[memoryview]:
+        """The device pool's KV at ``slots`` (a whole number of ``chunk``-token pages) as one
+        byte view per page, each laid out ``[layers, 2, chunk, heads, dim]`` (the namespace's
+        layout), from one gather."""
+        pool = self.device_pool
+        data = pool.read_slots(_ids(list(slots), pool.kv.device)).to("cpu")
+        k = len(slots) // chunk
+        layers, two, _, *tail = data.shape
+        pages = data.view(layers, two, k, chunk, *tail).movedim(2, 0).contiguous()
+        raw = pages.view(torch.uint8).view(k, -1).numpy()
+        return [memoryview(raw[i]) for i in range(k)]
+
+    def write_host_pages(self, slots: Sequence[int], pages: Any, chunk: int) -> None:
+        """Store ``pages`` (a buffer of ``len(slots) // chunk`` pages, each as
+        ``read_device_pages`` gives it) at host ``slots``."""
+        k = len(slots) // chunk
+        layers, two, _, *tail = self.kv.shape
+        raw = torch.frombuffer(pages, dtype=torch.uint8, count=k * chunk * self.bytes_per_slot)
+        data = raw.view(self.kv.dtype).view(k, layers, two, chunk, *tail).movedim(0, 2)
+        self.kv.index_copy_(
+            2, _ids(list(slots), "cpu"), data.reshape(layers, two, k * chunk, *tail)
+        )
+
 
 def _pairs(run: Sequence[Any], store: bool) -> tuple[list[int], list[int]]:
     """Source and destination slots of a run; a destination written twice keeps its last

@@ -26,6 +26,43 @@ ENGINE_GAUGES = {
     # with --enable-hierarchical-cache only
     "host_tier_tokens": ("hicache_host_used_tokens", "host-tier KV slots holding KV"),
     "host_tier_total": ("hicache_host_total_tokens", "host-tier KV slots"),
+    # with --hicache-storage-backend only (counts since start, but storage_up)
+    "storage_up": ("hicache_storage_up", "1 while the storage tier's backend is reachable"),
+    "storage_prefetch_lookups": ("hicache_storage_prefetch_lookups", "storage prefetches started"),
+    "storage_prefetch_waits": (
+        "hicache_storage_prefetch_waits",
+        "requests held while their storage prefetch ran",
+    ),
+    "storage_prefetch_timeouts": (
+        "hicache_storage_prefetch_timeouts",
+        "held requests queued at their prefetch deadline",
+    ),
+    "storage_prefetch_failures": (
+        "hicache_storage_prefetch_failures",
+        "storage prefetches that loaded fewer pages than the store listed (the rest recomputed)",
+    ),
+    "storage_prefetch_tokens": (
+        "hicache_storage_prefetch_tokens",
+        "tokens prefetched from storage into the host tier",
+    ),
+    "storage_bytes_read": ("hicache_storage_bytes_read", "KV bytes read from the storage tier"),
+    "storage_bytes_written": (
+        "hicache_storage_bytes_written",
+        "KV bytes written to the storage tier",
+    ),
+    "storage_pages_written": ("hicache_storage_pages_written", "pages written to storage"),
+    "storage_write_dropped_pages": (
+        "hicache_storage_write_dropped_pages",
+        "pages not written: the writer's queue was full",
+    ),
+    "storage_refused_pages": (
+        "hicache_storage_refused_pages",
+        "stored values refused (another namespace, size, key or checksum): never loaded",
+    ),
+    "storage_cached_tokens": (
+        "hicache_storage_cached_tokens",
+        "prompt tokens served from pages the store gave",
+    ),
     # with --kv-events-config only
     "kv_events_blocks": ("kv_events_blocks", "full blocks announced and not removed"),
     "kv_events_sent": ("kv_events_sent", "KV events published since start"),
@@ -61,7 +98,8 @@ class ServerMetrics:
         self.cached_tokens_by_tier = Counter(
             p + "cached_tokens_by_tier",
             "prompt tokens served from the prefix cache, by the KV tier they were in "
-            "(device: the engine's pool; host: loaded back from host memory)",
+            "(device: the engine's pool; host: loaded back from host memory; storage: loaded "
+            "from the KV store)",
             ["tier"],
             registry=r,
         )
@@ -109,8 +147,10 @@ class RequestTrack:
             m.ttft.observe(now - self.start)
             m.prompt_tokens.inc(out.prompt_tokens)
             m.cached_tokens.inc(out.cached_tokens)
-            m.cached_tokens_by_tier.labels("host").inc(out.host_cached_tokens)
-            m.cached_tokens_by_tier.labels("device").inc(out.cached_tokens - out.host_cached_tokens)
+            host, storage = out.host_cached_tokens, out.storage_cached_tokens
+            m.cached_tokens_by_tier.labels("host").inc(host)
+            m.cached_tokens_by_tier.labels("storage").inc(storage)
+            m.cached_tokens_by_tier.labels("device").inc(out.cached_tokens - host - storage)
         elif n and self.last is not None:
             # one token per output today; should an output carry several, spread the gap
             for _ in range(n):

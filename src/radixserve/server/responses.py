@@ -88,6 +88,7 @@ def usage(choices: list[Choice], n: int) -> dict[str, Any]:
     prompt = sum(c.count("prompt_tokens") for c in firsts)
     cached = sum(c.count("cached_tokens") for c in firsts)
     host = sum(c.count("host_cached_tokens") for c in firsts)
+    storage = sum(c.count("storage_cached_tokens") for c in firsts)
     completion = sum(c.count("completion_tokens") for c in choices)
     return {
         "prompt_tokens": prompt,
@@ -95,7 +96,7 @@ def usage(choices: list[Choice], n: int) -> dict[str, Any]:
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {
             "cached_tokens": cached,
-            "cached_tokens_details": cached_details(cached, host),
+            "cached_tokens_details": cached_details(cached, host, storage),
         },
     }
 
@@ -188,8 +189,10 @@ def meta_info(c: Choice) -> dict[str, Any]:
         "completion_tokens": c.count("completion_tokens"),
         "cached_tokens": c.count("cached_tokens"),
         "cached_tokens_details": cached_details(
-            c.count("cached_tokens"), c.count("host_cached_tokens")
-        ),
+            c.count("cached_tokens"),
+            c.count("host_cached_tokens"),
+            c.count("storage_cached_tokens"),
+        ),  # fmt: skip
         "e2e_latency": round(time.perf_counter() - c.started, 6),
     }
 

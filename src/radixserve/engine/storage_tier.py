@@ -1,0 +1,395 @@
+"""The storage tier inside the engine (`serve --hicache-storage-backend mooncake | file`): prompt
+pages written once to a KV store, and a request's next pages prefetched from it into the host
+tier while the request waits, so that the host tier's load brings them to the device.
+
+Who does what. The scheduler thread (``Worker``) owns the tree, the host tier and the pools:
+after a forward that completed a prompt it gathers the pages not known to be stored (one gather
+from the device pool) and hands them to the writer thread; on a new request it asks the tree
+how much of the prompt either tier holds, and hands the chunk keys after that to the prefetch
+thread; between steps it takes finished prefetches (``poll``): host slots are allocated, the
+bytes copied in, the pages inserted as host-only nodes (``cache.insert_host``), and a request
+that waited is queued. Only the two threads talk to the store, so a slow or dead store never
+holds the scheduler up; a request waiting on its prefetch is not in the scheduler yet, so the
+others are admitted meanwhile.
+
+Prefetch policies (SGLang's): ``best_effort`` queues the request at once (what has landed when
+it is admitted is used; later pages still land for the next request), ``wait_complete`` holds it
+until the prefetch ends, ``timeout`` holds it at most 2 s + 0.1 s per 1,024 tokens looked up,
+capped at 30 s. Writes are bounded (``write_queue_pages``): a full queue drops the pages, counted
+(the store is a cache). Every loaded page has passed the backend's header check (namespace, key,
+size, checksum): a refused or missing page ends the prefetch there; the rest is recomputed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixserve.cache.hashing import ALGORITHMS, KVNamespace, page_keys
+
+log = logging.getLogger("radixserve.engine")
+
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+OWN_KEYS = {"chunk_size": 256, "hash_algo": "sha256_cbor", "seed": 0, "write_queue_pages": 4096}
+KNOWN_KEYS_MAX = 1 << 17  # keys remembered as stored (never gathered again while remembered)
+PRIVATE_PREFIX = "prompt-logprobs:"  # a request's own namespace: nobody else could reuse it
+
+
+def weights_identity(model_dir: Any, head_bytes: int = 1 << 20) -> str:
+    """A digest of a model directory's config and weight files (their names, sizes and first
+    MiB): part of the storage namespace, so models that share a name never share pages."""
+    import hashlib
+    from pathlib import Path
+
+    h = hashlib.sha256()
+    root = Path(model_dir)
+    for path in sorted(root.iterdir()):
+        if path.name == "config.json" or path.suffix in (".safetensors", ".bin", ".gguf", ".pt"):
+            h.update(f"{path.name}:{path.stat().st_size}:".encode())
+            with open(path, "rb") as f:
+                h.update(f.read(head_bytes))
+    return h.hexdigest()[:16]
+
+
+def prefetch_timeout_s(tokens: int) -> float:
+    """SGLang's timeout policy: 2 s + 0.1 s per 1,024 tokens, at most 30 s."""
+    return min(2.0 + 0.1 * tokens / 1024, 30.0)
+
+
+@dataclass(frozen=True, slots=True)
+class StorageSettings:
+    """The flags checked: the backend, its extra config (without our own keys), the policy."""
+
+    backend: str
+    extra: dict[str, Any]
+    prefetch_policy: str = "best_effort"
+    chunk_size: int = 256
+    hash_algo: str = "sha256_cbor"
+    seed: int = 0
+    write_queue_pages: int = 4096
+
+    @classmethod
+    def parse(cls, backend: str, extra_config: str | None, policy: str | None) -> StorageSettings:
+        """From `--hicache-storage-backend`, `--hicache-storage-backend-extra-config` (JSON:
+        the backend's keys plus ours: chunk_size, hash_algo, seed, write_queue_pages) and
+        `--hicache-storage-prefetch-policy`; ValueError names what is wrong."""
+        if backend not in ("mooncake", "file"):
+            raise ValueError(f"--hicache-storage-backend must be mooncake or file, not {backend!r}")
+        try:
+            extra = json.loads(extra_config) if extra_config else {}
+        except ValueError as e:
+            raise ValueError(f"--hicache-storage-backend-extra-config is not JSON: {e}") from None
+        if not isinstance(extra, dict):
+            raise ValueError("--hicache-storage-backend-extra-config must be a JSON object")
+        own = {k: extra.pop(k, v) for k, v in OWN_KEYS.items()}
+        for key in ("chunk_size", "write_queue_pages"):
+            if type(own[key]) is not int or own[key] < 1:
+                raise ValueError(f"--hicache-storage-backend-extra-config {key} must be an "
+                                 f"integer >= 1, got {own[key]!r}")  # fmt: skip
+        if own["hash_algo"] not in ALGORITHMS:
+            raise ValueError(f"--hicache-storage-backend-extra-config hash_algo "
+                             f"{own['hash_algo']!r}: choose from {sorted(ALGORITHMS)}")  # fmt: skip
+        if type(own["seed"]) is not int:
+            raise ValueError(f"--hicache-storage-backend-extra-config seed must be an integer, "
+                             f"got {own['seed']!r}")  # fmt: skip
+        policy = policy or "best_effort"
+        if policy not in PREFETCH_POLICIES:
+            raise ValueError(f"--hicache-storage-prefetch-policy must be one of "
+                             f"{', '.join(PREFETCH_POLICIES)}, not {policy!r}")  # fmt: skip
+        return cls(backend, extra, policy, **own)
+
+
+@dataclass(slots=True)
+class _Fetch:
+    """One request's prefetch: chunk keys from chunk ``first`` on."""
+
+    rid: str
+    ids: Sequence[int]
+    namespace: Hashable | None
+    first: int
+    keys: list[str]
+    deadline: float | None  # timeout policy only
+    req: Any = None  # the request while it waits here (None: already queued)
+    found: int = 0  # pages the store listed
+    got: int = 0  # pages loaded and accepted
+    data: bytearray | None = None
+    done: bool = False
+
+
+@dataclass(slots=True)
+class StorageCounts:
+    """What /metrics shows of the storage tier (monotonic counts, and whether it is up)."""
+
+    storage_up: int = 1
+    storage_prefetch_lookups: int = 0
+    storage_prefetch_waits: int = 0  # requests held while their prefetch ran
+    storage_prefetch_timeouts: int = 0  # held requests queued at their deadline
+    storage_prefetch_failures: int = 0  # prefetches that loaded fewer pages than listed
+    storage_prefetch_tokens: int = 0  # tokens landed in the host tier from the store
+    storage_write_dropped_pages: int = 0  # not written: the writer's queue was full
+    storage_pages_written: int = 0
+    storage_bytes_written: int = 0
+    storage_pages_read: int = 0
+    storage_bytes_read: int = 0
+    storage_refused_pages: int = 0  # values of another namespace, size, key or checksum
+    storage_cached_tokens: int = 0  # prompt tokens served from pages the store gave
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+class StorageTier:
+    """The scheduler thread's side of the storage tier, and its two I/O threads."""
+
+    def __init__(
+        self,
+        settings: StorageSettings,
+        namespace: KVNamespace,
+        pool: Any,  # model.host_pool.HostKVPool
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        from radixserve.kvstore.backends import create_backend
+        from radixserve.kvstore.storage import PageFormat
+
+        self.settings = s = settings
+        self.chunk = s.chunk_size
+        self.namespace = namespace
+        self.digest = namespace.digest()
+        self.pool = pool
+        self.clock = clock
+        self.page_nbytes = pool.bytes_per_slot * self.chunk
+        self.backend = create_backend(s.backend, PageFormat(self.digest, self.page_nbytes), s.extra)
+        self.counts = StorageCounts()
+        self.known: OrderedDict[str, None] = OrderedDict()  # stored, or queued to be
+        self._known_lock = threading.Lock()
+        self._outages = 0
+        self.fetches: dict[str, _Fetch] = {}  # by rid, until landed
+        self.loaded: dict[str, int] = {}  # rid -> tokens its prefetch landed (for its report)
+        self._done: queue.SimpleQueue[_Fetch] = queue.SimpleQueue()
+        self._fetch_q: queue.SimpleQueue[_Fetch | None] = queue.SimpleQueue()
+        self._write_q: queue.SimpleQueue[tuple[list[str], list[Any]] | None] = queue.SimpleQueue()
+        self._write_pages = 0  # pages queued for the writer, not yet written
+        self._threads = [
+            threading.Thread(target=self._run_fetches, name="kv-storage-fetch", daemon=True),
+            threading.Thread(target=self._run_writes, name="kv-storage-write", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    def info(self) -> dict[str, Any]:
+        """For /get_server_info: how a router computes this engine's keys (issue 28's reader);
+        engines mount no segment of their own (pages live in the store process's)."""
+        s = self.settings
+        return {"backend": s.backend, "namespace": self.digest, "segment": None,
+                "chunk_size": self.chunk, "hash_algo": s.hash_algo, "seed": s.seed,
+                "placeholder": False, "prefetch_policy": s.prefetch_policy}  # fmt: skip
+
+    # -- keys ----------------------------------------------------------------------------------
+    def keys(self, ids: Sequence[int], namespace: Hashable | None) -> list[str] | None:
+        """The chunk keys of ``ids`` (None for a request's private namespace)."""
+        if isinstance(namespace, str) and namespace.startswith(PRIVATE_PREFIX):
+            return None
+        ns = None if namespace is None else str(namespace)
+        s = self.settings
+        return page_keys(ids, self.namespace, None, s.hash_algo, s.seed, ns)
+
+    def _forget_if_restarted(self) -> None:
+        """A store that was down may have lost every key (a Mooncake master restarts empty)."""
+        outages = getattr(getattr(self.backend, "gate", None), "outages", 0)
+        if outages != self._outages:
+            self._outages = outages
+            with self._known_lock:
+                self.known.clear()
+
+    def _remember(self, keys: Sequence[str]) -> None:
+        with self._known_lock:
+            for k in keys:
+                self.known[k] = None
+                self.known.move_to_end(k)
+            while len(self.known) > KNOWN_KEYS_MAX:
+                self.known.popitem(last=False)
+
+    def _forget(self, keys: Sequence[str]) -> None:
+        with self._known_lock:
+            for k in keys:
+                self.known.pop(k, None)
+
+    # -- writes ----------------------------------------------------------------------------------
+    def offer_write(
+        self, ids: Sequence[int], namespace: Hashable | None, slots: Sequence[int]
+    ) -> None:
+        """A prompt whose KV is now in the device pool at ``slots``: its whole chunks not known
+        to be stored are gathered now and written by the writer thread (never waited for)."""
+        n = len(ids) - len(ids) % self.chunk
+        if n < self.chunk:
+            return
+        keys = self.keys(ids[:n], namespace)
+        if not keys:
+            return
+        self._forget_if_restarted()
+        with self._known_lock:
+            todo = [i for i, k in enumerate(keys) if k not in self.known]
+        if not todo:
+            return
+        if self._write_pages + len(todo) > self.settings.write_queue_pages:
+            self.counts.storage_write_dropped_pages += len(todo)
+            return
+        chunk = self.chunk
+        page_slots = [s for i in todo for s in slots[i * chunk : (i + 1) * chunk]]
+        pages = self.pool.read_device_pages(page_slots, chunk)
+        new = [keys[i] for i in todo]
+        self._remember(new)  # queued: not gathered again meanwhile (forgotten if it fails)
+        with self._known_lock:
+            self._write_pages += len(new)
+        self._write_q.put((new, pages))
+
+    def _run_writes(self) -> None:
+        while (job := self._write_q.get()) is not None:
+            keys, pages = job
+            try:
+                self._write(keys, pages)
+            except Exception as e:  # the store never takes the engine down
+                self._forget(keys)
+                log.warning("storage tier: write failed: %r", e)
+            finally:
+                with self._known_lock:
+                    self._write_pages -= len(keys)
+
+    def _write(self, keys: list[str], pages: list[Any]) -> None:
+        skip = self.backend.exists_prefix(keys)  # written once: what is there is not sent again
+        stored = skip
+        if skip < len(keys):
+            stored += self.backend.put_pages(keys[skip:], pages[skip:])
+        if stored < len(keys):
+            self._forget(keys[stored:])
+
+    # -- prefetch --------------------------------------------------------------------------------
+    def lookup(self, req: Any, cache: Any) -> bool:
+        """Start the prefetch of ``req``'s chunks beyond what either tier holds. True when the
+        request is to wait here (``poll`` hands it back); False: queue it now."""
+        ids, ns = req.input_ids, req.namespace
+        if len(ids) < self.chunk + 1 or req.rid in self.fetches or not self._may_try():
+            return False
+        # the last token is always computed: only chunks before it can be loaded
+        n = (len(ids) - 1) // self.chunk * self.chunk
+        first = cache.cached_len(ids[:n], ns) // self.chunk
+        keys = self.keys(ids[:n], ns)
+        if not keys or first >= len(keys):
+            return False
+        policy = self.settings.prefetch_policy
+        wait = policy != "best_effort"
+        deadline = None
+        if policy == "timeout":
+            deadline = self.clock() + prefetch_timeout_s((len(keys) - first) * self.chunk)
+        f = _Fetch(req.rid, ids[:n], ns, first, keys[first:], deadline, req if wait else None)
+        self.fetches[req.rid] = f
+        self.counts.storage_prefetch_lookups += 1
+        if wait:
+            self.counts.storage_prefetch_waits += 1
+        self._fetch_q.put(f)
+        return wait
+
+    def _may_try(self) -> bool:
+        """False while the backend is marked down and its down duration runs: a lookup would
+        be refused at once, so the request is not held for it (the first one after the
+        duration goes through, and reconnects)."""
+        gate = getattr(self.backend, "gate", None)
+        return gate is None or gate.up or gate.clock() >= gate.down_until
+
+    def waiting(self) -> bool:
+        """Prefetches in flight (the scheduler loop then polls often instead of sleeping)."""
+        return bool(self.fetches)
+
+    def cancel(self, rid: str) -> None:
+        """An aborted request: it is not handed back (its pages still land when fetched)."""
+        f = self.fetches.get(rid)
+        if f is not None:
+            f.req = None
+        self.loaded.pop(rid, None)
+
+    def _run_fetches(self) -> None:
+        while (f := self._fetch_q.get()) is not None:
+            try:
+                f.found = self.backend.exists_prefix(f.keys)
+                if f.found:
+                    f.data = bytearray(f.found * self.page_nbytes)
+                    view, p = memoryview(f.data), self.page_nbytes
+                    bufs = [view[i * p : (i + 1) * p] for i in range(f.found)]
+                    f.got = self.backend.get_pages(f.keys[: f.found], bufs)
+            except Exception as e:  # a failing store reads as empty
+                log.warning("storage tier: prefetch failed: %r", e)
+                f.got = 0
+            f.done = True
+            self._done.put(f)
+
+    def poll(self, cache: Any) -> list[Any]:
+        """Between steps: land finished prefetches in the host tier; returns the requests to
+        queue now (their prefetch ended, or its deadline passed)."""
+        ready = []
+        while True:
+            try:
+                f = self._done.get_nowait()
+            except queue.Empty:
+                break
+            self.fetches.pop(f.rid, None)
+            if f.got < f.found:
+                self.counts.storage_prefetch_failures += 1
+            if f.got:
+                self._land(f, cache)
+            if f.req is not None:
+                ready.append(f.req)
+        if self.settings.prefetch_policy == "timeout":
+            now = self.clock()
+            for f in self.fetches.values():
+                if f.req is not None and f.deadline is not None and now >= f.deadline:
+                    self.counts.storage_prefetch_timeouts += 1
+                    ready.append(f.req)
+                    f.req = None  # its pages still land when they come
+        self.counts.storage_up = int(self.backend.available)
+        return ready
+
+    def _land(self, f: _Fetch, cache: Any) -> None:
+        """Put ``f.got`` fetched pages in the host tier as host-only nodes of the tree."""
+        self._remember(f.keys[: f.found])
+        c = self.chunk
+        start, end = f.first * c, (f.first + f.got) * c
+        slots = cache.alloc_host(end - start)
+        if slots is None:  # the host tier cannot hold them (all of it is in use)
+            return
+        self.pool.write_host_pages(slots, f.data, c)
+        # nothing is inserted if the part before them left both tiers meanwhile
+        added = cache.insert_host(f.ids[:end], slots, f.namespace, start)
+        self.counts.storage_prefetch_tokens += added
+        self.loaded[f.rid] = self.loaded.get(f.rid, 0) + added
+
+    # -- reports ---------------------------------------------------------------------------------
+    def split_cached(self, rid: str, host_tokens: int, finished: bool) -> tuple[int, int]:
+        """A request's host-tier tokens as (host, storage): the ones its prefetch landed count
+        as the store's."""
+        landed = self.loaded.pop(rid, 0) if finished else self.loaded.get(rid, 0)
+        storage = min(landed, host_tokens)
+        if finished:
+            self.counts.storage_cached_tokens += storage
+        return host_tokens - storage, storage
+
+    def stats(self) -> dict[str, int]:
+        st = self.backend.stats
+        c = self.counts
+        c.storage_pages_written, c.storage_bytes_written = st.pages_written, st.bytes_written
+        c.storage_pages_read, c.storage_bytes_read = st.pages_read, st.bytes_read
+        c.storage_refused_pages = sum(st.refused.values())
+        out = {k: getattr(c, k) for k in c.__dataclass_fields__ if k != "extra"}
+        out["storage_up"] = int(self.backend.available)
+        return out
+
+    def close(self) -> None:
+        self._fetch_q.put(None)
+        self._write_q.put(None)
+        for t in self._threads:
+            t.join(5)
+        self.backend.close()
