@@ -52,7 +52,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
             "model instead of a GPU) behind a router policy. Several values of --router, "
             "--schedule-policy, --max-wait-ms or --radix-eviction-policy run every combination "
             "and compare them. The "
-            "KV pool defaults to what the preset's GPU holds beside the weights."
+            "KV pool defaults to what the preset's GPU holds beside the weights. Lower tiers: "
+            "--enable-hierarchical-cache gives each engine a host tier (the preset's host "
+            "memory per GPU, or --hicache-size / --hicache-ratio), --kv-store-gb a fleet-wide "
+            "KV store; copies cost the preset's bandwidths (--host-bandwidth-gbs, "
+            "--store-bandwidth-gbs, --store-latency-ms override them), and the report splits "
+            "hits and TTFT by tier."
         ),
     )
     add_workload_args(parser)
