@@ -228,13 +228,14 @@ class BlockTracker:
                 stack.extend((c, tokens[full:], parent) for c in node.children.values())
 
     def check(self) -> None:
-        """Recount: every node's blocks are exactly the full blocks ending in it, with the
-        hashes ``cache/hashing.py`` gives its path, and ``num_blocks`` is their number."""
+        """Recount: every device node's blocks are exactly the full blocks ending in it, with
+        the hashes ``cache/hashing.py`` gives its path, and ``num_blocks`` is their number.
+        Host-only nodes (and their subtrees, host-only too) announce nothing: skipped."""
         from radixserve.cache.hashing import block_hashes
 
         count = 0
         for ns, root in self.cache.root.children.items():
-            stack = [(c, []) for c in root.children.values()]
+            stack = [(c, []) for c in root.children.values() if c.value is not None]
             while stack:
                 node, path = stack.pop()
                 path = path + node.key.tolist()
@@ -245,7 +246,7 @@ class BlockTracker:
                 assert self._depth.get(node) == len(path), f"{node!r}: depth"
                 assert [self._out(s) for s in got] == want[start:], f"{node!r}: blocks"
                 count += len(got)
-                stack.extend((c, path) for c in node.children.values())
+                stack.extend((c, path) for c in node.children.values() if c.value is not None)
         assert count == self.num_blocks, f"num_blocks {self.num_blocks} != {count}"
         assert set(self._blocks) <= set(self._depth), "blocks of a node without a depth"
 

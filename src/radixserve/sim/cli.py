@@ -21,7 +21,7 @@ from radixserve.config import (
 )
 from radixserve.router.policies.registry import POLICIES
 from radixserve.sched.validate import check_config
-from radixserve.sim.cluster import ClusterConfig, simulate
+from radixserve.sim.cluster import ClusterConfig, host_tier_tokens, simulate
 from radixserve.sim.costmodel import COST_MODELS, get_cost_model
 from radixserve.sim.report import SimResult, format_table
 from radixserve.sim.runner import SimRunner
@@ -52,7 +52,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
             "model instead of a GPU) behind a router policy. Several values of --router, "
             "--schedule-policy, --max-wait-ms or --radix-eviction-policy run every combination "
             "and compare them. The "
-            "KV pool defaults to what the preset's GPU holds beside the weights."
+            "KV pool defaults to what the preset's GPU holds beside the weights. Lower tiers: "
+            "--enable-hierarchical-cache gives each engine a host tier (the preset's host "
+            "memory per GPU, or --hicache-size / --hicache-ratio), --kv-store-gb a fleet-wide "
+            "KV store; copies cost the preset's bandwidths (--host-bandwidth-gbs, "
+            "--store-bandwidth-gbs, --store-latency-ms override them), and the report splits "
+            "hits and TTFT by tier."
         ),
     )
     add_workload_args(parser)
@@ -173,6 +178,8 @@ def _run(args: argparse.Namespace) -> int:
         if r.num_rejected:
             print(f"warning: {r.label}: {r.rejections()}; hit and best count the "
                   f"{r.num_requests - r.num_rejected} served requests only")  # fmt: skip
+        if r.tiers:
+            print(r.tier_lines())
         if block_tokens and r.block_hit_rate is not None:
             ideal = block_hit_rate(_served(requests, r))
             print(f"{r.label}: {r.block_hit_rate:.1%} of prompt blocks hit (best {ideal:.1%})")
@@ -209,9 +216,30 @@ def _header(
             f"{sum(r.output_len for r in requests):,} output tokens",
             f"fleet: {cluster.engines} x {cluster.preset}, {cache.max_total_tokens:,} KV tokens "
             f"per engine, page size {cache.page_size}",
+            *_tier_header(cluster, cache),
             f"best achievable hit rate (one unbounded cache): {best:.1%}",
         ]
     )
+
+
+def _tier_header(cluster: ClusterConfig, cache: CacheConfig) -> list[str]:
+    """The lower tiers as configured (nothing when there are none)."""
+    cost = get_cost_model(cluster.preset)
+    spec, lines = cluster.tiers.spec(cost), []
+    host = host_tier_tokens(cost, cache)
+    if host:
+        lines.append(
+            f"host tier: {host:,} KV tokens per engine, copies at {spec.host_bandwidth / 1e9:g} GB/s"
+        )
+    store = cluster.tiers.store_tokens(cost)
+    if store:
+        ratio = cost.load_to_prefill_ratio(spec)
+        lines.append(
+            f"KV store: {store:,} tokens ({cluster.tiers.kv_store_gb:g} GB) for the fleet, "
+            f"{spec.store_bandwidth / 1e9:g} GB/s and {spec.store_latency_s * 1e3:g} ms a get "
+            f"per engine; load/prefill ratio {ratio:.2f}"
+        )
+    return lines
 
 
 def _speed(results: list[SimResult]) -> str:

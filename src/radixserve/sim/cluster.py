@@ -10,6 +10,11 @@ SimRunner) behind one router policy, on a virtual clock. Owns the event loop and
 # cuts the run after the step in flight, so the result is exactly that of stepping one by one.
 # The router sees what a real proxy sees: each worker's in-flight requests and prompt tokens,
 # and the prompt's token ids (its own approximate tree for cache_aware).
+# Lower tiers (sim/tiers.py): with --enable-hierarchical-cache each engine's scheduler keeps its
+# real host tier; with --kv-store-gb a fleet-wide store holds every engine's blocks, and a
+# request whose prompt the store holds beyond its engine's device and host match waits for
+# that load (a _LAND event) before joining the engine's queue. kv_aware reads the store's
+# holdings as a lower tier (its tier-aware score) and each engine's load-to-prefill ratio.
 
 from __future__ import annotations
 
@@ -25,20 +30,25 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
+from radixserve.cache.radix import MatchResult
 from radixserve.config import CacheConfig, SchedulerConfig, check_fields
-from radixserve.router.policies.base import RequestView, WorkerView
+from radixserve.router.kvindex.tiers import FixedTier
+from radixserve.router.policies.base import RequestView, RouterPolicy, WorkerView
 from radixserve.router.policies.config import CachePolicyConfig
+from radixserve.router.policies.kv_aware import KvAwarePolicy
 from radixserve.router.policies.registry import create_policy, policy_names
 from radixserve.sched.batch import Batch, StepResult
 from radixserve.sched.request import Req, SamplingParams
 from radixserve.sched.scheduler import Scheduler
-from radixserve.sim.costmodel import get_cost_model
+from radixserve.sched.validate import check_request
+from radixserve.sim.costmodel import CostModel, get_cost_model
 from radixserve.sim.kv_feed import KvFeed
 from radixserve.sim.report import EngineLoad, SimResult
 from radixserve.sim.runner import SimRunner
+from radixserve.sim.tiers import Landing, SimStore, SimTierConfig
 from radixserve.sim.workloads import Chains, WorkloadRequest
 
-_ARRIVE, _DONE, _WAKE = 0, 1, 2
+_ARRIVE, _DONE, _WAKE, _LAND = 0, 1, 2, 3
 PROGRESS_MIN_REQUESTS = 5000  # a progress bar only for runs this long (when asked for one)
 
 
@@ -66,6 +76,10 @@ class ClusterConfig:
     decode_runs: bool = _f(
         True, "advance runs of pure decode steps in one event (same results, faster)"
     )
+    tiers: SimTierConfig = field(
+        default_factory=SimTierConfig,
+        metadata={"help": "the lower KV tiers: host copy bandwidth, the fleet-wide KV store"},
+    )
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -77,15 +91,34 @@ def default_cache_config(config: ClusterConfig) -> CacheConfig:
     return CacheConfig(max_total_tokens=get_cost_model(config.preset).kv_capacity_tokens)
 
 
+def host_tier_tokens(cost: CostModel, cache: CacheConfig) -> int:
+    """Each engine's host tier in tokens (0: none): --hicache-size or --hicache-ratio as the
+    engine reads them, else the preset's host memory per GPU (at least twice the device pool,
+    SGLang's default ratio)."""
+    if not cache.enable_hierarchical_cache:
+        return 0
+    per_token = cost.kv_bytes_per_token_per_gpu
+    if cache.hicache_size or cache.hicache_ratio is not None:
+        return cache.host_tokens(int(per_token))
+    n = max(int(cost.tier_spec().host_memory_bytes // per_token), 2 * cache.max_total_tokens)
+    return n - n % cache.page_size
+
+
 class _Engine:
     """One simulated engine: its scheduler and runner, the batch in flight and its load."""
 
     __slots__ = (
         "idx", "sched", "runner", "batch", "result", "awake", "load", "requests", "tokens", "run",
+        "ratio", "link_free", "landed",
     )  # fmt: skip
 
-    def __init__(self, idx: int, sched: Scheduler, runner: SimRunner) -> None:
+    def __init__(
+        self, idx: int, sched: Scheduler, runner: SimRunner, ratio: float | None = None
+    ) -> None:
         self.idx, self.sched, self.runner = idx, sched, runner
+        self.ratio = ratio  # load-to-prefill ratio it reports (None: no lower tier)
+        self.link_free = 0.0  # when its link to the store is free for the next get
+        self.landed: list[tuple[str, int]] = []  # store loads landed: applied at its next step
         self.batch: Batch | None = None
         self.result: StepResult | None = None
         self.awake = False  # a step is running or a wake-up is queued
@@ -100,7 +133,7 @@ class _Engine:
         """The view plus the prefill tokens this engine has yet to compute, as a worker
         reports them to kv_aware."""
         left = self.sched.waiting_prefill_tokens()  # what /get_loads reports
-        return WorkerView(self.idx, self.requests, True, self.tokens, left, now)
+        return WorkerView(self.idx, self.requests, True, self.tokens, left, now, self.ratio)
 
 
 @dataclass(slots=True)
@@ -126,17 +159,36 @@ class ClusterSim:
         self.sched_config = sched_config or SchedulerConfig()
         self.cache_config = cache_config or default_cache_config(config)
         self.now = 0.0
-        cost = get_cost_model(config.preset)
+        cost = self.cost = get_cost_model(config.preset)
+        tiers = config.tiers
+        self.tier_spec = tiers.spec(cost)
+        self.host_tokens = host_tier_tokens(cost, self.cache_config)
+        store_tokens = tiers.store_tokens(cost)
+        self.store = SimStore(store_tokens, tiers.store_block_tokens) if store_tokens else None
+        if self.store is not None and tiers.store_block_tokens % self.cache_config.page_size:
+            raise ValueError(
+                f"store_block_tokens {tiers.store_block_tokens} must be a multiple of the page "
+                f"size {self.cache_config.page_size}"
+            )
+        ratio = cost.load_to_prefill_ratio(self.tier_spec) if self.store is not None else None
+        host_s = cost.kv_bytes_per_token_per_gpu / self.tier_spec.host_bandwidth
         self.engines = [
             _Engine(
                 i,
-                Scheduler(self.sched_config, self.cache_config, clock=self._clock),
-                SimRunner(cost, seed=config.sim_seed),
+                Scheduler(
+                    self.sched_config,
+                    self.cache_config,
+                    clock=self._clock,
+                    host_tokens=self.host_tokens,
+                ),
+                SimRunner(cost, seed=config.sim_seed, host_load_s_per_token=host_s),
+                ratio,
             )
             for i in range(config.engines)
         ]
         self._views = [e.view() for e in self.engines]  # kept current as loads change
-        self.policy = create_policy(config.router, config.cache_policy, config.sim_seed)
+        self._store_source = FixedTier({}, "store")  # the store's answer for the request routed
+        self.policy = self._make_policy()
         index = self.policy.index  # kv_aware: fed by the engines' caches
         self._feed = None if index is None else KvFeed([e.sched.cache for e in self.engines], index)
         self._events: list[tuple[float, int, int, int]] = []
@@ -145,10 +197,19 @@ class ClusterSim:
         self._sampling: dict[int, SamplingParams] = {}
         self._ran = False
         self._stale: set[int] = set()  # DONE events of cut decode runs
+        self._store_keys: dict[str, list[int]] = {}  # live requests' prompt block keys
+        self._landings: dict[str, Landing] = {}  # requests that loaded from the store or host
+        self._loading: dict[int, tuple[str, int]] = {}  # _LAND payload -> (rid, store tokens)
         self.run_counts = {"runs": 0, "steps": 0, "cuts": 0}  # how the fast path was used
 
     def _clock(self) -> float:
         return self.now
+
+    def _make_policy(self) -> RouterPolicy:
+        cfg = self.config
+        if self.store is not None and cfg.tiers.tier_aware and cfg.router == KvAwarePolicy.name:
+            return KvAwarePolicy(cfg.cache_policy, cfg.sim_seed, lower=(self._store_source,))
+        return create_policy(cfg.router, cfg.cache_policy, cfg.sim_seed)
 
     def _push(self, t: float, kind: int, payload: int) -> None:
         self._seq += 1
@@ -180,7 +241,30 @@ class ClusterSim:
         res.wall_s = time.perf_counter() - wall
         res.num_unfinished = len(self._live) + len(self._backlog)
         res.router, res.schedule_policy = self.config.router, self.sched_config.schedule_policy
+        res.tiers = self.tier_report()
         return res
+
+    def tier_report(self) -> dict[str, object]:
+        """The lower tiers' sizes and what moved through them (empty: no tier)."""
+        if not self.host_tokens and self.store is None:
+            return {}
+        out: dict[str, object] = {
+            "host_tokens_per_engine": self.host_tokens,
+            "host_loaded_tokens": sum(e.runner.host_loaded for e in self.engines),
+        }
+        if self.store is not None:
+            st = self.store
+            out.update(
+                store_tokens=st.capacity * st.block,
+                store_blocks_held=len(st),
+                store_blocks_written=st.written,
+                store_blocks_read=st.read,
+                store_blocks_evicted=st.evicted,
+                load_to_prefill_ratio=self.engines[0].ratio,
+                tier_aware_router=isinstance(self.policy, KvAwarePolicy)
+                and bool(self.policy.lower),
+            )
+        return out
 
     def _prepare(
         self, requests: Sequence[WorkloadRequest], label: str, block_tokens: int | None
@@ -207,8 +291,10 @@ class ClusterSim:
                     self._complete(engines[payload])
                 else:
                     self._stale.discard(seq)
-            else:
+            elif kind == _WAKE:
                 self._step(engines[payload])
+            else:
+                self._land(payload)
 
     def _arrive(self, i: int) -> None:
         limit = self.config.max_concurrency
@@ -222,6 +308,7 @@ class ClusterSim:
         w, now = self._reqs[i], self.now
         view = RequestView.from_prompt(input_ids=w.input_ids)
         self.policy.tick(now)
+        held = self._store_lookup(w.rid, w.input_ids) if self.store is not None else 0
         if self._feed is not None:
             self._feed.flush()
             self._views = [e.reported_view(now) for e in self.engines]
@@ -229,13 +316,22 @@ class ClusterSim:
         eng = self.engines[pick]
         self.policy.on_dispatch(eng.idx, view, now)
         req = Req(w.rid, w.input_ids, self._params(w.output_len), arrival_time=now)
+        wait = self._plan_load(eng, req, held) if held else None
         try:
-            eng.sched.add_request(req)
+            if wait is None:
+                eng.sched.add_request(req)
+            else:  # checked now, queued once its prefix has landed
+                check_request(req, eng.sched.context_length, eng.sched.kv.total, eng.sched.kv.page)
         except ValueError as e:
             self._result.reject(w.rid, str(e))
             self.policy.on_complete(eng.idx, view, now)
+            self._store_keys.pop(w.rid, None)
             self._finished_one(w.rid)
             return
+        if wait is not None:
+            self._seq += 1
+            self._loading[self._seq] = (w.rid, held)
+            heapq.heappush(self._events, (wait, _LAND, self._seq, self._seq))
         n = len(w.input_ids)
         eng.load.requests += 1
         eng.load.prompt_tokens += n
@@ -243,11 +339,94 @@ class ClusterSim:
         eng.tokens += n
         self._views[eng.idx] = eng.view()
         self._live[w.rid] = (req, eng, view)
+        if wait is None:
+            self._wake(eng)
+
+    def _wake(self, eng: _Engine) -> None:
+        """A request joined ``eng``'s queue: cut its decode run, step it if idle."""
         if eng.run is not None:
             self._cut(eng, eng.run)
         if not eng.awake:
             eng.awake = True
-            self._push(now, _WAKE, eng.idx)
+            self._push(self.now, _WAKE, eng.idx)
+
+    # -- the store tier ----------------------------------------------------------------------
+    def _store_lookup(self, rid: str, ids: list[int]) -> int:
+        """Leading prompt tokens the store holds (whole blocks, never the last token), told to
+        kv_aware as loadable by every engine."""
+        store = self.store
+        assert store is not None
+        keys = self._store_keys[rid] = store.keys(ids)
+        b = store.block
+        held = min(store.leading(keys), (len(ids) - 1) // b) * b
+        self._store_source.tokens = dict.fromkeys(range(len(self.engines)), held) if held else {}
+        return held
+
+    def _matched(self, eng: _Engine, ids: list[int], end: int) -> tuple[MatchResult, int]:
+        """``eng``'s device match of ``ids`` and how far its host tier continues it (to ``end``)."""
+        cache = eng.sched.cache
+        m = cache.match_prefix(ids)
+        host = 0
+        if eng.sched.kv.host is not None and end > m.length:
+            host = sum(len(n.key) for n in cache.match_host(ids, m.last_node, m.length, end))
+        return m, host
+
+    def _plan_load(self, eng: _Engine, req: Req, held: int) -> float | None:
+        """When the store holds more of the prompt than ``eng``'s device and host tiers, start
+        its get on ``eng``'s link: the time it lands; None: nothing to load from the store."""
+        m, host = self._matched(eng, req.input_ids, held)
+        below = held - m.length - host  # what only the store has
+        if below <= 0:
+            return None
+        start = max(self.now, eng.link_free)
+        eng.link_free = start + self.cost.store_load_time(below, self.tier_spec)
+        return eng.link_free + self.cost.host_load_time(held - m.length, self.tier_spec)
+
+    def _land(self, payload: int) -> None:
+        """A store load landed: it is applied when its engine is between steps (a step in
+        flight, or a booked decode run, counts on the slots it saw free)."""
+        rid, held = self._loading.pop(payload)
+        eng = self._live[rid][1]
+        eng.landed.append((rid, held))
+        self._wake(eng)
+
+    def _apply_landed(self, eng: _Engine) -> None:
+        for rid, held in eng.landed:
+            self._apply_load(eng, rid, held)
+        eng.landed.clear()
+
+    def _apply_load(self, eng: _Engine, rid: str, held: int) -> None:
+        """The landed pages join the engine's tree below the device match (host pages on the
+        way revived), and the request joins the queue."""
+        req = self._live[rid][0]
+        store = self.store
+        assert store is not None
+        m, host = self._matched(eng, req.input_ids, held)
+        n = held - m.length
+        kv, cache = eng.sched.kv, eng.sched.cache
+        if n > 0:
+            cache.lock(m.last_node)  # eviction below must not take the prefix it continues
+            if kv.ensure_free(n):
+                slots = m.slots + kv.allocator.alloc(n)
+                cache.insert(req.input_ids[:held], slots)
+                store.read_blocks(self._store_keys[rid][: held // store.block])
+                self._landings[rid] = Landing(m.length, host, n - host)
+            cache.unlock(m.last_node)
+        eng.sched.add_request(req)
+
+    def _write_store(self, rid: str, ids: list[int], output: list[int] | None = None) -> None:
+        """Write a request's computed blocks: its prompt; with ``output``, its reply too (the
+        last token's KV is never computed)."""
+        store = self.store
+        assert store is not None
+        keys = self._store_keys.get(rid)
+        if keys is None:
+            return
+        if output:
+            seq = list(ids)
+            seq.extend(output[:-1])
+            keys = store.keys(seq, keys)
+        store.write(keys)
 
     def _params(self, output_len: int) -> SamplingParams:
         sp = self._sampling.get(output_len)
@@ -258,6 +437,8 @@ class ClusterSim:
         return sp
 
     def _step(self, eng: _Engine) -> None:
+        if eng.landed:
+            self._apply_landed(eng)
         if self.config.decode_runs:
             steps = eng.sched.decode_run_length()
             if steps > 1:
@@ -319,6 +500,10 @@ class ClusterSim:
             return
         batch, result = eng.batch, eng.result
         eng.batch = eng.result = None
+        if self.store is not None:  # prompts computed whole by this step: written through
+            for e in batch.entries:  # type: ignore[union-attr]
+                if e.is_prefill and e.sample and e.num_generated == 0:
+                    self._write_store(e.rid, e.prompt_ids)  # type: ignore[arg-type]
         done = 0
         for out in eng.sched.on_output(batch, result):  # type: ignore[arg-type]
             if out.finished:
@@ -330,7 +515,11 @@ class ClusterSim:
 
     def _finish(self, rid: str) -> None:
         req, eng, view = self._live.pop(rid)
+        if self.store is not None:
+            self._write_store(rid, req.input_ids, req.output_ids)
+            self._store_keys.pop(rid, None)
         self._result.record(req)
+        self._result.record_tiers(req, self._landings.pop(rid, None))
         w = self._reqs[self._index[rid]]
         if self._block_tokens and w.hash_ids:
             self._result.record_blocks(req, len(w.hash_ids), self._block_tokens)
@@ -364,6 +553,8 @@ class ClusterSim:
             for tracker in self._feed.trackers:
                 tracker.check()
             self._feed.index.check_integrity()
+        if self.store is not None:
+            self.store.check()
 
 
 @contextmanager

@@ -59,6 +59,19 @@ class GpuSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class TierSpec:
+    """The KV tiers below one GPU's pool: its share of the host's memory for KV and the copy
+    bandwidth to it (PCIe), and the network path to a fleet-wide KV store (Mooncake Store):
+    bandwidth and the latency of one batched get. Per GPU, as each GPU moves its own share of
+    the KV over its own links."""
+
+    host_memory_bytes: float
+    host_bandwidth: float  # bytes/s, effective host <-> device copy
+    store_bandwidth: float  # bytes/s, effective store -> host over the NIC
+    store_latency_s: float  # one batched get: lookup, RDMA set-up, completion
+
+
+@dataclass(frozen=True, slots=True)
 class StepCost:
     """A step's time in seconds, by phase (their sum is ``total``)."""
 
@@ -92,6 +105,7 @@ class CostModel:
     # share of GPU memory kept for activations, CUDA graphs and allocator slack: what SGLang
     # leaves with --mem-fraction-static 0.88
     activation_reserve: float = 0.12
+    tiers: TierSpec | None = None  # the lower KV tiers (sim's host tier and KV store)
 
     def __post_init__(self) -> None:
         if self.tp < 1:
@@ -114,6 +128,34 @@ class CostModel:
         free = self.gpu.memory_bytes * (1 - self.activation_reserve)
         free -= self.model.weight_bytes / self.tp
         return int(free // self.kv_bytes_per_token_per_gpu)
+
+    def tier_spec(self) -> TierSpec:
+        """The preset's lower tiers (a preset without them: the H100 node's)."""
+        return self.tiers or H100_NODE_TIERS
+
+    def host_load_time(self, tokens: int, tiers: TierSpec | None = None) -> float:
+        """Seconds to copy ``tokens`` of KV from the host tier to the device pool."""
+        spec = tiers or self.tier_spec()
+        return tokens * self.kv_bytes_per_token_per_gpu / spec.host_bandwidth
+
+    def store_load_time(self, tokens: int, tiers: TierSpec | None = None) -> float:
+        """Seconds for one batched get of ``tokens`` of KV from the store into host memory."""
+        spec = tiers or self.tier_spec()
+        return (
+            spec.store_latency_s + tokens * self.kv_bytes_per_token_per_gpu / spec.store_bandwidth
+        )
+
+    def prefill_time_per_token(self, tokens: int = 2048) -> float:
+        """Seconds per token of one cold prefill of ``tokens`` (what a load saves)."""
+        return self.step_time([(tokens, 0, True)]) / tokens
+
+    def load_to_prefill_ratio(self, tiers: TierSpec | None = None, tokens: int = 2048) -> float:
+        """Seconds to load a token from the store (host copy included, as it lands there first)
+        over seconds to prefill one, for a prefix of ``tokens``: the ratio an engine reports
+        to kv_aware (WorkerView.kv_load_ratio)."""
+        spec = tiers or self.tier_spec()
+        load = self.store_load_time(tokens, spec) + self.host_load_time(tokens, spec)
+        return load / (tokens * self.prefill_time_per_token(tokens))
 
     def step_time(self, entries: Iterable[StepEntry | tuple[int, int, bool]]) -> float:
         """Seconds one forward step over ``entries`` takes (0 for an empty step)."""
@@ -248,6 +290,13 @@ A100_SXM_80GB = GpuSpec("a100-sxm-80gb", 312e12, 2.039e12, 80e9, link_bandwidth=
 # A toy model on a toy device: steps of tens of microseconds, about 25k tokens of KV.
 TINY_MODEL = ModelSpec("tiny", 1e6, 2, 64, num_kv_heads=2, head_dim=32)
 TINY_DEVICE = GpuSpec("cpu-toy", 1e12, 1e11, 16 * 2**20, link_bandwidth=1e10)
+# Lower tiers (assumptions of the order such nodes have): an 8-GPU node with 2 TB of DRAM gives
+# each GPU 128 GB for host KV; PCIe Gen5 x16 peaks at 64 GB/s a direction and pinned copies
+# reach 25-50 GB/s (40 taken), Gen4 half that; a 200 Gb/s NIC per GPU to the store is 25 GB/s,
+# of which RDMA gets reach ~80%; a batched get costs ~0.5 ms before its first byte.
+H100_NODE_TIERS = TierSpec(128e9, 40e9, 20e9, 5e-4)
+A100_NODE_TIERS = TierSpec(128e9, 20e9, 20e9, 5e-4)
+TINY_TIERS = TierSpec(64 * 2**20, 1e10, 5e9, 1e-5)
 
 COST_MODELS: dict[str, CostModel] = {}
 
@@ -269,10 +318,18 @@ def get_cost_model(name: str) -> CostModel:
         raise ValueError(f"unknown cost model {name!r}; known: {known}") from None
 
 
-register_cost_model(CostModel("llama3-8b-h100", LLAMA3_8B, H100_SXM))
-register_cost_model(CostModel("llama3-8b-a100", LLAMA3_8B, A100_SXM_80GB))
-register_cost_model(CostModel("llama3-70b-tp4-h100", LLAMA3_70B, H100_SXM, tp=4))
-register_cost_model(CostModel("llama3-70b-tp4-a100", LLAMA3_70B, A100_SXM_80GB, tp=4))
+H100, A100 = {"tiers": H100_NODE_TIERS}, {"tiers": A100_NODE_TIERS}
+register_cost_model(CostModel("llama3-8b-h100", LLAMA3_8B, H100_SXM, **H100))
+register_cost_model(CostModel("llama3-8b-a100", LLAMA3_8B, A100_SXM_80GB, **A100))
+register_cost_model(CostModel("llama3-70b-tp4-h100", LLAMA3_70B, H100_SXM, tp=4, **H100))
+register_cost_model(CostModel("llama3-70b-tp4-a100", LLAMA3_70B, A100_SXM_80GB, tp=4, **A100))
 register_cost_model(
-    CostModel("tiny-cpu", TINY_MODEL, TINY_DEVICE, allreduce_latency_s=0.0, step_overhead_s=1e-5)
+    CostModel(
+        "tiny-cpu",
+        TINY_MODEL,
+        TINY_DEVICE,
+        allreduce_latency_s=0.0,
+        step_overhead_s=1e-5,
+        tiers=TINY_TIERS,
+    )
 )

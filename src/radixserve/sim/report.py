@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.sched.request import Req
+from radixserve.sim.tiers import TIERS, Landing, deepest_tier, split_by_tier
 
 PERCENTILES = (50, 90, 99)
 # a rejection's reason without the request's own numbers, so equal reasons count together
@@ -78,6 +79,13 @@ class SimResult:
     tpot: list[float] = field(default_factory=list, repr=False)
     e2e: list[float] = field(default_factory=list, repr=False)
     wait: list[float] = field(default_factory=list, repr=False)  # arrival -> first scheduled
+    # cached prompt tokens by the tier they came from (device, host, store; their sum is
+    # cached_tokens), and TTFTs by the lowest tier a request's prefix reached (or miss)
+    tier_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS[:3], 0))
+    tier_ttft: dict[str, list[float]] = field(
+        default_factory=lambda: {t: [] for t in TIERS}, repr=False
+    )
+    tiers: dict[str, Any] = field(default_factory=dict)  # what the tiers were and moved
 
     @classmethod
     def empty(cls, label: str, num_requests: int, num_engines: int) -> SimResult:
@@ -99,6 +107,17 @@ class SimResult:
         self.wait.append((req.first_scheduled_time or first) - arrival)
         if n > 1:
             self.tpot.append(((req.finish_time or first) - first) / (n - 1))
+
+    def record_tiers(self, req: Req, landing: Landing | None = None) -> None:
+        """Account a finished request's cached tokens by tier, and its TTFT under the lowest
+        tier it reached (``landing``: what the simulator loaded for it below its device match,
+        see sim/tiers.py)."""
+        split = split_by_tier(req.cached_tokens, req.host_cached_tokens, landing)
+        for tier, tokens in split.items():
+            self.tier_tokens[tier] += tokens
+        arrival = req.arrival_time or 0.0
+        first = req.first_token_time or arrival
+        self.tier_ttft[deepest_tier(split)].append(first - arrival)
 
     def reject(self, rid: str, why: str) -> None:
         """Account a request no engine can ever serve (``why``: the scheduler's reason)."""
@@ -122,6 +141,24 @@ class SimResult:
     @property
     def hit_rate(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def tier_hit_rates(self) -> dict[str, float]:
+        """Share of prompt tokens served from each tier (their sum is ``hit_rate``)."""
+        total = self.prompt_tokens or 1
+        return {t: n / total for t, n in self.tier_tokens.items()}
+
+    def tier_lines(self) -> str:
+        """Hits by tier and TTFT by the lowest tier each request's prefix reached."""
+        hits = ", ".join(f"{t} {r:.1%}" for t, r in self.tier_hit_rates().items())
+        parts = []
+        for tier, values in self.tier_ttft.items():
+            if values:
+                s = summarize(values)
+                parts.append(f"{tier} {len(values)} x {s['mean']:.2f}/{s['p99']:.2f}")
+        return (
+            f"{self.label}: hits by tier {hits} (of {self.hit_rate:.1%}); "
+            f"TTFT mean/p99 s by lowest tier: {'; '.join(parts)}"
+        )
 
     @property
     def block_hit_rate(self) -> float | None:
@@ -178,6 +215,9 @@ class SimResult:
             "best_hit_rate": self.best_hit_rate,
             "block_hit_rate": self.block_hit_rate,
             "ttft_s": summarize(self.ttft),
+            "tier_tokens": dict(self.tier_tokens),
+            "tier_ttft_s": {t: summarize(v) | {"n": len(v)} for t, v in self.tier_ttft.items()},
+            "tiers": self.tiers,
             "tpot_s": summarize(self.tpot),
             "e2e_s": summarize(self.e2e),
             "wait_s": summarize(self.wait),

@@ -30,6 +30,7 @@ class SimRunner:
         seed: int = 0,
         eos_token_id: int | None = None,
         eos_prob: float = 0.0,
+        host_load_s_per_token: float = 0.0,
     ) -> None:
         if vocab_size < 2:
             raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
@@ -43,6 +44,9 @@ class SimRunner:
         self._step_time = cost_model.timer()
         self.vocab_size = vocab_size
         self.seed = seed
+        # a batch's loads from the host tier (Batch.kv_copies) run before its forward
+        self.host_load_s_per_token = host_load_s_per_token
+        self.host_loaded = 0  # tokens copied up from the host tier, ever
         self.eos_token_id = eos_token_id
         # compare the hash's top 32 bits with a threshold instead of drawing a float
         self._eos_threshold = int(eos_prob * (1 << 32))
@@ -55,7 +59,12 @@ class SimRunner:
             ids, start = e.token_ids, e.start_pos
             tokens.append(next_token(ids[-1], start + len(ids)) if e.sample else None)
             steps.append((len(ids), start, e.is_prefill))
-        return StepResult(next_token_ids=tokens, duration=self._step_time(steps))
+        duration = self._step_time(steps)
+        if batch.kv_copies:
+            loaded = sum(len(c.host) for c in batch.kv_copies if c.kind == "load")
+            self.host_loaded += loaded
+            duration += loaded * self.host_load_s_per_token
+        return StepResult(next_token_ids=tokens, duration=duration)
 
     def next_token(self, last_token: int, seq_len: int) -> int:
         """The token that follows a context of ``seq_len`` tokens ending in ``last_token``."""
