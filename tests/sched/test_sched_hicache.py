@@ -88,3 +88,45 @@ def test_hicache_flags_need_the_switch_and_a_larger_host() -> None:
     sized = CacheConfig(enable_hierarchical_cache=True, hicache_size=2, max_total_tokens=1000)
     assert sized.host_tokens(1_000_000) == 2000  # 2 GB at 1 MB a token
     assert Scheduler(cache_config=CacheConfig()).kv.host is None
+
+
+def _drain(sched: Scheduler, runner: TieredKVRunner) -> list[list[str]]:
+    """Step until idle; the rids each prefill batch admitted, in batch order."""
+    admitted = []
+    for _ in range(200):
+        batch = sched.step()
+        if batch is None:
+            return admitted
+        admitted.append([e.rid for e in batch.entries if e.is_prefill])
+        sched.on_output(batch, runner.run(batch))
+        sched.check_integrity()
+    raise AssertionError("scheduler did not go idle")
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_lpm_counts_host_hits_a_host_only_prefix_goes_before_a_cold_request(page: int) -> None:
+    """LPM orders by device + host match (SGLang's HiCache rule): a waiting request whose prefix
+    lives only in the host tier is admitted before a cold one that arrived earlier, and loads
+    its prefix from the host."""
+    rng = random.Random(page)
+    pool = 256
+    cfg = SchedulerConfig(schedule_policy="lpm", max_running_requests=1)
+    cache = CacheConfig(max_total_tokens=pool, page_size=page, enable_hierarchical_cache=True,
+                        hicache_ratio=4.0, hicache_write_policy="write_through")  # fmt: skip
+    sched = Scheduler(cfg, cache, eos_token_ids=(), host_tokens=cache.host_tokens(None))
+    runner = TieredKVRunner(pool, sched.kv.host.total)
+    prefix = tokens(rng, 120)
+    sched.add_request(make_req("warm", prefix + tokens(rng, 8), 2))
+    _drain(sched, runner)
+    sched.add_request(make_req("filler", tokens(rng, 220), 2))  # pushes the prefix off the device
+    _drain(sched, runner)
+    assert sched.kv.cache.host_only_size() >= 96, "the prefix should live in the host tier only"
+    cold = make_req("cold", tokens(rng, 130), 2)
+    hosted = make_req("hosted", prefix + tokens(rng, 10), 2)
+    sched.add_request(cold)
+    sched.add_request(hosted)
+    assert hosted.prefix_len == 0 and hosted.host_len >= 96  # nothing on the device, all on host
+    order = [rids[0] for rids in _drain(sched, runner) if rids]
+    assert order[0] == "hosted", order
+    assert hosted.host_cached_tokens >= 96 and cold.cached_tokens == 0
+    assert_match_reference([cold, hosted], stop=())

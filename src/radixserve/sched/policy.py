@@ -112,12 +112,15 @@ class Fcfs(_SortedPolicy):
 # PrefixIndex (only tree changes that touch it re-match it) and the order is a heap re-keyed
 # on those changes, so a pass costs O(k log k) for the k requests it looks at, at any queue
 # length. Pair it with --max-wait-ms: pure LPM starves a cold request under a hot stream.
+# With a host tier the match counts device + host tokens (as SGLang's HiCache LPM does: a host
+# hit is loaded, not computed, at a load-to-prefill ratio of ~0.01-0.1); on a tie the longer
+# device part goes first (its KV costs nothing to use).
 @register("lpm")
 class LongestPrefixMatch(_SortedPolicy):
     cache_aware = True
 
     def key(self, req: Req) -> tuple:
-        return (-req.prefix_len, req.seq)
+        return (-(req.prefix_len + req.host_len), -req.prefix_len, req.seq)
 
     def update(self, req: Req, old_node: Any) -> None:
         self.add(req)

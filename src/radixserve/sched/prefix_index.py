@@ -60,7 +60,7 @@ class PrefixIndex:
     def track(self, req: Req) -> None:
         """Match ``req`` now and follow the tree from here on."""
         if not self.enabled:
-            req.match_node, req.match_len, req.prefix_len = None, 0, 0
+            req.match_node, req.match_len, req.prefix_len, req.host_len = None, 0, 0, 0
             return
         self._match(req)
 
@@ -74,10 +74,10 @@ class PrefixIndex:
         dirty, self._dirty = self._dirty, {}
         self.refreshed += len(dirty)
         for req in dirty:
-            old = req.match_node
+            old, old_host = req.match_node, req.host_len
             self._unplace(req)
             self._match(req)
-            if req.match_node is not old:
+            if req.match_node is not old or req.host_len != old_host:
                 self.on_move(req, old)
         return len(dirty)
 
@@ -102,9 +102,19 @@ class PrefixIndex:
     def _place(self, req: Req, node: TreeNode, length: int) -> None:
         req.match_node, req.match_len = node, length
         req.prefix_len = min(length, self._cap(req))
+        req.host_len = self._host_len(req)
         key = self._next_key(req, length)
         self._at.setdefault(node, {}).setdefault(key, {})[req] = None
         self._key_of[req] = key
+
+    def _host_len(self, req: Req) -> int:
+        """Usable tokens past ``req``'s device match that the host tier holds (read only: host
+        nodes lie below device ones, so both tiers' leading run minus the device match). An
+        ordering hint for LPM, refreshed whenever the device match moves."""
+        if getattr(self.cache, "host", None) is None:
+            return 0
+        held = self.cache.cached_len(req.fill_ids(), req.namespace)
+        return max(0, min(held, self._cap(req)) - req.prefix_len)
 
     def _unplace(self, req: Req) -> None:
         key = self._key_of.pop(req)

@@ -144,6 +144,7 @@ class Req:
     )  # tree node the cached prefix ends at (waiting requests)
     match_len: int = 0  # tokens of the fill that the tree holds (uncapped)
     prefix_len: int = 0  # usable cached prefix: match_len capped so one token is computed
+    host_len: int = 0  # usable tokens past prefix_len that only the host tier holds (waiting)
     locked_node: Any = field(
         default=None, repr=False
     )  # tree node this running request holds locked

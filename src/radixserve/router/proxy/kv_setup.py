@@ -178,13 +178,18 @@ class KvRouting:
             return view, True
         return (view, False) if ids is None else (dataclasses.replace(view, token_ids=ids), False)
 
-    def metric_families(self) -> list[tuple[str, str, dict[str, object]]]:
-        """(name, kind, {worker id: value}) for the proxy's /metrics."""
+    def metric_families(self) -> list[tuple[str, str, dict[Any, object]]]:
+        """(name, kind, {worker id or (worker id, medium): value}) for the proxy's /metrics."""
         blocks = self.plane.index.blocks()
         stats = self.plane.stat_totals()
-        families: list[tuple[str, str, dict[str, object]]] = [
+        families: list[tuple[str, str, dict[Any, object]]] = [
             ("kv_index_blocks", "gauge", dict(blocks)),
         ]
+        # blocks on a lower medium (KV events' `medium`, e.g. the host tier's "CPU"), labelled
+        # by worker and medium; an index that keeps no lower media (Redis) has none
+        lower = getattr(self.plane.index, "lower_blocks", dict)()
+        families.append(("kv_index_lower_blocks", "gauge",
+                         {(w, m): n for w, media in lower.items() for m, n in media.items()}))  # fmt: skip
         for name in (
             "events",
             "batches",

@@ -101,18 +101,23 @@ _KINDS = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}
 
 
 def _kv_families(
-    families: list[tuple[str, str, dict[str, object]]], urls: dict[str, str]
+    families: list[tuple[str, str, dict[Any, object]]], urls: dict[str, str]
 ) -> Iterator[Metric]:
-    """kv_aware's families, {worker id: value} each; "" is the key of an unlabelled value.
-    Workers are labelled by URL, as the router's other per-worker families."""
+    """kv_aware's families, {worker id: value} or {(worker id, medium): value} each; "" is the
+    key of an unlabelled value. Workers are labelled by URL, as the router's other per-worker
+    families."""
     for name, kind, samples in families:
         doc = "kv_aware: " + name.removesuffix("_total").replace("_", " ")
         if set(samples) == {""}:
             yield _KINDS[kind](PREFIX + name, doc, value=float(samples[""]))  # type: ignore[arg-type]
             continue
-        family = _KINDS[kind](PREFIX + name, doc, labels=["worker"])
-        for wid, value in samples.items():
-            family.add_metric([urls.get(wid, str(wid))], float(value))  # type: ignore[arg-type]
+        by_medium = name == "kv_index_lower_blocks"
+        family = _KINDS[kind](
+            PREFIX + name, doc, labels=["worker", "medium"] if by_medium else ["worker"]
+        )
+        for key, value in samples.items():
+            wid, *medium = key if by_medium else (key,)
+            family.add_metric([urls.get(wid, str(wid)), *medium], float(value))  # type: ignore[arg-type]
         yield family
 
 
