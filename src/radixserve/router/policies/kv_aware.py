@@ -257,12 +257,20 @@ class KvAwarePolicy(RouterPolicy):
         queues = {i: self.pending(workers[i]) for i in eligible}
         limit = min(queues.values()) + HELD_QUEUE_SPAN * size
 
-        def footprint(i: int) -> tuple[float, int]:
-            w = workers[i]
-            tokens = held[w.id] * (self.index.block_size(w.id) or INFLIGHT_BLOCK)
-            return tokens + HELD_PENDING_WEIGHT * queues[i], w.load
+        def footprint(i: int) -> float:
+            tokens = held[workers[i].id] * (self.index.block_size(workers[i].id) or INFLIGHT_BLOCK)
+            return tokens + HELD_PENDING_WEIGHT * queues[i]
 
-        return min((i for i in eligible if queues[i] <= limit), key=footprint)
+        within = {i: footprint(i) for i in eligible if queues[i] <= limit}
+        # Footprints within one prompt of the smallest are equal here: a worker whose cache is
+        # full (vLLM's always is, once warm) holds its capacity give or take a block, so the
+        # difference says nothing about room. Among those, the worker sent fewest requests
+        # lately, as the score breaks ties; else sessions piled onto whichever held a block less.
+        least = min(within.values())
+        return min(
+            (i for i, f in within.items() if f <= least + size),
+            key=lambda i: (self._shares.count(workers[i].id), workers[i].load, within[i]),
+        )
 
     def _evicting(self, worker: Hashable, now: float) -> bool:
         """Whether `worker` removed blocks within EVICTING_SECS of `now`."""
