@@ -33,6 +33,10 @@ def vllm_pair(tmp_path_factory):
             s.launch()
         for s in servers:
             s.wait()
+        for s in servers:  # a fresh server's first request is slow: not through a router
+            s.request(
+                "POST", "/v1/completions", {"model": "smollm2", "prompt": "hi", "max_tokens": 1}
+            )
         yield servers
     finally:
         for s in servers:
