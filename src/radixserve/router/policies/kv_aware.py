@@ -37,8 +37,8 @@ Registered as `--policy kv_aware`; pure (no I/O, no clock)."""
 # HELD_QUEUE_SPAN prompts of the shortest; footprints within one prompt of the smallest count
 # as equal and go to the worker sent fewest requests lately (a vLLM cache, once warm, is always
 # full: its holdings are its capacity give or take a block, and chasing that block would pile
-# every new session onto the worker a block emptier). Under eviction pressure the worker holding least has
-# the most room, so a new session placed there evicts least of what other sessions' next turns
+# every new session onto the worker a block emptier). Under eviction pressure the worker
+# holding least has the most room, so a new session placed there evicts least of what other sessions' next turns
 # will hit: on simulated multi-turn chat at a tenth of the KV pool this took kv_aware from
 # 1.1-2.4 points below cache_aware to 1.1-3.3 above, at a lower TTFT p99
 # (benchmarks/kv_aware_sweep.py). While nothing is evicted, holdings count finished sessions
