@@ -4,7 +4,7 @@ on multi-turn chat. Reported per policy: vLLM's own prefix-cache hit rate (the d
 `vllm:prefix_cache_hits` over `vllm:prefix_cache_queries`, both servers), TTFT p50 / p99
 (streamed), requests/s, and how the prompt tokens split between the two servers.
 
-    python benchmarks/vllm_fleet.py                       # about 10 minutes on 2 busy cores
+    python benchmarks/vllm_fleet.py          # 19 min on 2 cores at load average 10-16; less when quiet
     python benchmarks/vllm_fleet.py --groups 8 --repeats 6 --conversations 8 --turns 6
     python benchmarks/vllm_fleet.py --policies kv_aware cache_aware --kv-mib 200
 
