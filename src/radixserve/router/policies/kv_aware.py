@@ -34,8 +34,11 @@ Registered as `--policy kv_aware`; pure (no I/O, no clock)."""
 # change of that count at the decision that sees it), such a request instead goes to the worker
 # with the smallest footprint: tokens it holds (the index's blocks times its block size) plus
 # HELD_PENDING_WEIGHT x its queued prefill, among workers whose queue is within
-# HELD_QUEUE_SPAN prompts of the shortest. Under eviction pressure the worker holding least has
-# the most room, so a new session placed there evicts least of what other sessions' next turns
+# HELD_QUEUE_SPAN prompts of the shortest; footprints within one prompt of the smallest count
+# as equal and go to the worker sent fewest requests lately (a vLLM cache, once warm, is always
+# full: its holdings are its capacity give or take a block, and chasing that block would pile
+# every new session onto the worker a block emptier). Under eviction pressure the worker
+# holding least has the most room, so a new session placed there evicts least of what other sessions' next turns
 # will hit: on simulated multi-turn chat at a tenth of the KV pool this took kv_aware from
 # 1.1-2.4 points below cache_aware to 1.1-3.3 above, at a lower TTFT p99
 # (benchmarks/kv_aware_sweep.py). While nothing is evicted, holdings count finished sessions
@@ -267,12 +270,20 @@ class KvAwarePolicy(RouterPolicy):
         queues = {i: self.pending(workers[i]) for i in eligible}
         limit = min(queues.values()) + HELD_QUEUE_SPAN * size
 
-        def footprint(i: int) -> tuple[float, int]:
-            w = workers[i]
-            tokens = held[w.id] * (self.index.block_size(w.id) or INFLIGHT_BLOCK)
-            return tokens + HELD_PENDING_WEIGHT * queues[i], w.load
+        def footprint(i: int) -> float:
+            tokens = held[workers[i].id] * (self.index.block_size(workers[i].id) or INFLIGHT_BLOCK)
+            return tokens + HELD_PENDING_WEIGHT * queues[i]
 
-        return min((i for i in eligible if queues[i] <= limit), key=footprint)
+        within = {i: footprint(i) for i in eligible if queues[i] <= limit}
+        # Footprints within one prompt of the smallest are equal here: a worker whose cache is
+        # full (vLLM's always is, once warm) holds its capacity give or take a block, so the
+        # difference says nothing about room. Among those, the worker sent fewest requests
+        # lately, as the score breaks ties; else sessions piled onto whichever held a block less.
+        least = min(within.values())
+        return min(
+            (i for i, f in within.items() if f <= least + size),
+            key=lambda i: (self._shares.count(workers[i].id), workers[i].load, within[i]),
+        )
 
     def _evicting(self, worker: Hashable, now: float) -> bool:
         """Whether `worker` removed blocks within EVICTING_SECS of `now`."""
