@@ -441,7 +441,7 @@ class TailBuffers:
     only while the request's slots still match the ones it was built from, so it always holds
     what the pool holds at those slots. Beyond ``budget_tokens`` in all, rows are gathered."""
 
-    CHUNK = 256  # buffers grow by whole chunks of tokens
+    CHUNK = 64  # buffers grow by whole chunks of tokens
 
     def __init__(self, kv: KVPool, budget_tokens: int) -> None:
         self.layers, _, _, self.kv_heads, self.dim = kv.kv.shape
