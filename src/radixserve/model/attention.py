@@ -6,7 +6,7 @@ SDPA call; every longer span (a prefill chunk) gets its own call with an offset 
 
 Backends (``--attention-backend``, see ``BACKENDS``):
 
-- ``cpu-prefix`` (CPU default): decodes whose contexts share leading slots (requests on one
+- ``cpu-prefix``: decodes whose contexts share leading slots (requests on one
   cached prefix) read that prefix's K/V once per group instead of once per request, and merge
   it with their own tail by log-sum-exp (cascade attention); spans use SDPA's grouped-query
   mode, so K/V are never copied per query head.
