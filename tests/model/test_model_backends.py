@@ -156,6 +156,8 @@ def changing_batches(runner: TorchRunner) -> list[torch.Tensor]:
     out = [runner.logits(Batch(first))]
     schedule = [["a", "b", "c"], ["a"]] + [["a", "b"]] * 12 + [["c"]]
     for step, rids in enumerate(schedule, start=1):
+        if step == 2:  # a prefill-only step between decode steps: a and b keep their buffers
+            runner.logits(Batch([entry("x", [3, 1, 4, 1, 5], 0, take(5))]))
         if step == len(schedule):  # c is a new request with the same id
             prompts["c"], slots["c"] = [17, 4, 29], take(3)
             runner.logits(Batch([entry("c", prompts["c"], 0, slots["c"])]))

@@ -409,11 +409,9 @@ class CpuContig(CpuPrefix):
         if self.tails is None:
             raise RuntimeError("cpu-contig: bind(kv) must be called before the first step")
         plan = build_plan(entries, device, dtype, share_prefixes=True, pad_tails=False)
-        decodes = [e for e in entries if len(e.token_ids) == 1]
-        if plan.decode is not None:
+        if plan.decode is not None:  # a prefill-only step keeps the buffers for the next decode
+            decodes = [e for e in entries if len(e.token_ids) == 1]
             plan.decode.tails = self.tails.update(decodes, plan.decode.starts, dtype)
-        else:
-            self.tails.update([], [], dtype)
         return plan
 
     def attend(
@@ -437,7 +435,8 @@ class TailBuffers:
     """The running decodes' contexts (from the start of their own tail), contiguous and
     head-major, one buffer per request: built from the pool once (when a request starts
     decoding, or its tail starts earlier than its buffer), then extended by the token each step
-    computes. A buffer is dropped when its request is not among a step's decodes, and reused
+    computes. A buffer is dropped when its request is not among the decodes of a step that has
+    decodes (a step of prefills only keeps them all), and reused
     only while the request's slots still match the ones it was built from, so it always holds
     what the pool holds at those slots. Beyond ``budget_tokens`` in all, rows are gathered."""
 
