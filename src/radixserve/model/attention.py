@@ -71,7 +71,10 @@ class DecodeGroup:
     mask: torch.Tensor | None  # [B, 1, 1, Lmax] additive; None when all contexts are as long
     prefixes: list[SharedPrefix] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)  # per row: where its own tail starts
-    tails: list[Tail] = field(default_factory=list)  # per row (cpu-contig): its tail buffer
+    # cpu-contig: per row its tail buffer, None for a short tail, which is gathered instead
+    # (rows ``short``, in ``slots`` / ``mask`` as above)
+    tails: list[Tail | None] = field(default_factory=list)
+    short: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -167,18 +170,27 @@ def _decode_group(
     starts, prefixes = _shared_prefixes(entries, device) if share else ([0] * len(entries), [])
     if not pad:
         return DecodeGroup(len(entries), torch.empty(0), None, prefixes, starts)
-    tails = [e.slots[s:] for e, s in zip(entries, starts, strict=True)]
+    slots, mask = _padded_tails(
+        [e.slots[s:] for e, s in zip(entries, starts, strict=True)], device, dtype
+    )
+    return DecodeGroup(len(entries), slots, mask, prefixes, starts)
+
+
+def _padded_tails(
+    tails: Sequence[Sequence[int]], device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Slots ``[B, Lmax]`` of the rows' tails and their additive mask ``[B, 1, 1, Lmax]``
+    (None when all are as long)."""
     lens = [len(t) for t in tails]
     width = max(lens)
     # pad with the entry's own first slot so the gather never reads out of range
     padded = [list(t) + [t[0]] * (width - len(t)) for t in tails]
     slots = torch.tensor(padded, dtype=torch.int64, device=device)
     if min(lens) == width:
-        return DecodeGroup(len(entries), slots, None, prefixes, starts)
+        return slots, None
     lengths = torch.tensor(lens, device=device)
     valid = torch.arange(width, device=device)[None, :] < lengths[:, None]
-    mask = _additive(valid, dtype)[:, None, None, :]
-    return DecodeGroup(len(entries), slots, mask, prefixes, starts)
+    return slots, _additive(valid, dtype)[:, None, None, :]
 
 
 def _shared_prefixes(
@@ -409,9 +421,16 @@ class CpuContig(CpuPrefix):
         if self.tails is None:
             raise RuntimeError("cpu-contig: bind(kv) must be called before the first step")
         plan = build_plan(entries, device, dtype, share_prefixes=True, pad_tails=False)
-        if plan.decode is not None:  # a prefill-only step keeps the buffers for the next decode
+        group = plan.decode
+        if group is not None:  # a prefill-only step keeps the buffers for the next decode
             decodes = [e for e in entries if len(e.token_ids) == 1]
-            plan.decode.tails = self.tails.update(decodes, plan.decode.starts, dtype)
+            group.tails = self.tails.update(decodes, group.starts, dtype)
+            short = [r for r, t in enumerate(group.tails) if t is None]
+            if short:
+                group.short = torch.tensor(short, dtype=torch.int64, device=device)
+                group.slots, group.mask = _padded_tails(
+                    [decodes[r].slots[group.starts[r] :] for r in short], device, dtype
+                )
         return plan
 
     def attend(
@@ -441,6 +460,9 @@ class TailBuffers:
     what the pool holds at those slots. Beyond ``budget_tokens`` in all, rows are gathered."""
 
     CHUNK = 64  # buffers grow by whole chunks of tokens
+    # a tail shorter than this is gathered each step: one padded call for all short tails costs
+    # less than a call per row (measured: engine_attention.py --contexts 33 --shared-prefix 384)
+    MIN_TAIL = 128
 
     def __init__(self, kv: KVPool, budget_tokens: int) -> None:
         self.layers, _, _, self.kv_heads, self.dim = kv.kv.shape
@@ -455,13 +477,17 @@ class TailBuffers:
 
     def update(
         self, entries: Sequence[BatchEntry], starts: Sequence[int], dtype: torch.dtype
-    ) -> list[Tail]:
-        """This step's Tail of each decode entry (whose own tail starts at ``starts``)."""
+    ) -> list[Tail | None]:
+        """This step's Tail of each decode entry (whose own tail starts at ``starts``); None
+        for a tail shorter than ``MIN_TAIL``."""
         old, self.held = self.held, {}
         used = 0
-        tails = []
+        tails: list[Tail | None] = []
         for e, start in zip(entries, starts, strict=True):
             n = e.seq_len
+            if n - start < self.MIN_TAIL:
+                tails.append(None)
+                continue
             kept = old.get(e.rid)
             if kept is not None:
                 buf, base, slots = kept
@@ -587,6 +613,8 @@ def _attend_decode_tails(
     new = torch.stack((k, v), 1).to(kv.kv.dtype).to(q.dtype)  # [b, 2, kv_heads, dim]
     outs, lses = [], []
     for r, t in enumerate(group.tails):
+        if t is None:
+            continue
         buf = t.buf[layer]  # [2, kv_heads, capacity, dim]
         if t.fill is not None:
             fk, fv = kv.gather(layer, t.fill)  # [n, kv_heads, dim]
@@ -599,10 +627,27 @@ def _attend_decode_tails(
         )
         outs.append(o)
         lses.append(lse)
-    out = torch.cat(outs)  # [b, kv_heads, per_kv, dim]
+    if group.short is None:
+        out, lse = torch.cat(outs), torch.cat(lses)  # [b, kv_heads, per_kv, (dim)]
+    else:  # the short tails in one padded call, the others from their buffers
+        sk, sv = kv.gather(layer, group.slots)  # [S, Lmax, kv_heads, dim]
+        mask = group.mask
+        if mask is not None:
+            mask = mask.expand(-1, kv_heads, per_kv, -1)
+        so, sl = _flash_cpu(qg.index_select(0, group.short), sk.transpose(1, 2).to(q.dtype),
+                            sv.transpose(1, 2).to(q.dtype), attn_mask=mask)  # fmt: skip
+        if len(outs) == 0:
+            out, lse = so, sl
+        else:
+            long = [r for r, t in enumerate(group.tails) if t is not None]
+            at = torch.tensor(long, dtype=torch.int64, device=q.device)
+            out = so.new_empty(b, kv_heads, per_kv, dim).index_copy_(0, at, torch.cat(outs))
+            out.index_copy_(0, group.short, so)
+            lse = sl.new_empty(b, kv_heads, per_kv).index_copy_(0, at, torch.cat(lses))
+            lse.index_copy_(0, group.short, sl)
     if not group.prefixes:
         return out.reshape(b, heads * dim)
-    out, lse = out.float(), torch.cat(lses)
+    out = out.float()
     for p in group.prefixes:
         if p.run is not None:  # the pool's rows in place: [1, kv_heads, P, dim] views
             kp = kv.kv[layer, 0, p.run[0] : p.run[1]].transpose(0, 1)[None]
