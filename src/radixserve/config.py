@@ -228,8 +228,8 @@ class ModelConfig:
     )
     attention_backend: str = _f(
         "auto",
-        "attention kernels (auto: cpu-prefix on a CPU, cuda-sdpa on a GPU; torch-gather: reference)",
-        choices=("auto", "cpu-prefix", "cuda-sdpa", "torch-gather"),
+        "attention kernels (auto: cpu-contig on a CPU, cuda-sdpa on a GPU; torch-gather: reference)",
+        choices=("auto", "cpu-contig", "cpu-prefix", "cuda-sdpa", "torch-gather"),
     )
     device: str = _f("cpu", "torch device (cpu, cuda, cuda:0, ...)", check=lambda d: _device(d))
     context_length: int | None = _f(None, "longest sequence (default: the model's)", ge=1)

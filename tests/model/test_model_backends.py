@@ -12,6 +12,7 @@ from radixserve.config import ModelConfig  # noqa: E402
 from radixserve.model.attention import (  # noqa: E402
     BACKENDS,
     MIN_SHARED_PREFIX,
+    TailBuffers,
     build_plan,
     get_backend,
 )
@@ -62,8 +63,8 @@ def test_kv_cache_dtype_halves_the_slot_cost(tiny):
 
 # -- the registry -------------------------------------------------------------------------------
 def test_registry_defaults_and_refusals():
-    assert set(BACKENDS) == {"cpu-prefix", "cuda-sdpa", "torch-gather"}
-    assert get_backend("auto", CPU).name == "cpu-prefix"
+    assert set(BACKENDS) == {"cpu-contig", "cpu-prefix", "cuda-sdpa", "torch-gather"}
+    assert get_backend("auto", CPU).name == "cpu-contig"
     assert get_backend("auto", torch.device("cuda")).name == "cuda-sdpa"
     assert get_backend("torch-gather", CPU).name == "torch-gather"
     with pytest.raises(ValueError, match="'cuda-sdpa' runs on cuda, not on cpu"):
@@ -113,8 +114,9 @@ def shared_prefix_steps(runner: TorchRunner, steps: int = 4) -> list[torch.Tenso
     return out
 
 
+@pytest.mark.parametrize("backend", ["cpu-prefix", "cpu-contig"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cpu_prefix_backend_matches_the_reference(tiny, dtype):
+def test_cpu_backends_match_the_reference(tiny, dtype, backend):
     ref = shared_prefix_steps(
         TorchRunner(
             ModelConfig(model=str(tiny), attention_backend="torch-gather", dtype=dtype),
@@ -123,13 +125,86 @@ def test_cpu_prefix_backend_matches_the_reference(tiny, dtype):
     )
     ours = shared_prefix_steps(
         TorchRunner(
-            ModelConfig(model=str(tiny), attention_backend="cpu-prefix", dtype=dtype), num_slots=512
+            ModelConfig(model=str(tiny), attention_backend=backend, dtype=dtype), num_slots=512
         )  # fmt: skip
     )
     assert ref[0].std() > 0.1, "logits too flat for the comparison to mean anything"
     tol = 1e-4 if dtype == "float32" else 5e-2
     for step, (a, b) in enumerate(zip(ours, ref, strict=True)):
         torch.testing.assert_close(a, b, atol=tol, rtol=tol, msg=f"step {step}")
+
+
+def changing_batches(runner: TorchRunner) -> list[torch.Tensor]:
+    """Decodes whose batch changes from step to step, slots handed out in ascending runs (so a
+    prefilled prefix is one run): a and b share a 40-token prefix, c does not; steps decode
+    {a, b, c}, then a alone (its own tail now starts at 0), then a and b for several steps (b
+    comes back: its buffer was dropped), then c alone with a new context under its old id."""
+    next_slot = 0
+
+    def take(n: int) -> list[int]:
+        nonlocal next_slot
+        next_slot += n
+        return list(range(next_slot - n, next_slot))
+
+    prefix = [(5 * i + 3) % 300 + 4 for i in range(40)]
+    prompts = {"a": prefix + [11, 12, 13], "b": prefix + [21, 22], "c": [9, 8, 7, 6, 5]}
+    prefix_slots = take(40)
+    slots = {"a": prefix_slots + take(3), "b": prefix_slots + take(2), "c": take(5)}
+    first = [entry("p", prefix, 0, prefix_slots)]
+    first += [entry(r, p[40:], 40, slots[r]) for r, p in prompts.items() if r != "c"]
+    first.append(entry("c", prompts["c"], 0, slots["c"]))
+    out = [runner.logits(Batch(first))]
+    schedule = [["a", "b", "c"], ["a"]] + [["a", "b"]] * 12 + [["c"]]
+    for step, rids in enumerate(schedule, start=1):
+        if step == 2:  # a prefill-only step between decode steps: a and b keep their buffers
+            runner.logits(Batch([entry("x", [3, 1, 4, 1, 5], 0, take(5))]))
+        if step == len(schedule):  # c is a new request with the same id
+            prompts["c"], slots["c"] = [17, 4, 29], take(3)
+            runner.logits(Batch([entry("c", prompts["c"], 0, slots["c"])]))
+        entries = []
+        for i, rid in enumerate(rids):
+            token = (31 * step + 7 * i) % 300 + 4
+            prompts[rid].append(token)
+            slots[rid] = slots[rid] + take(1)
+            entries.append(entry(rid, [token], len(prompts[rid]) - 1, slots[rid],
+                                 num_generated=step))  # fmt: skip
+        out.append(runner.logits(Batch(entries)))
+    return out
+
+
+@pytest.mark.parametrize(("budget", "min_tail"), [(None, 3), (None, 6), (0, 3)])
+def test_cpu_contig_keeps_its_buffers_right_as_the_batch_changes(
+    tiny, monkeypatch, budget, min_tail
+):
+    """Buffers reused, rebuilt (a tail that starts earlier, a request that left and came back,
+    an id reused), grown past their capacity, mixed with short tails gathered in one call
+    (min_tail 6), or (budget 0) replaced by per-step gathers: the logits stay the reference's."""
+    monkeypatch.setattr(TailBuffers, "CHUNK", 4)  # grow every few steps
+    monkeypatch.setattr(TailBuffers, "MIN_TAIL", min_tail)
+    ref = changing_batches(
+        TorchRunner(ModelConfig(model=str(tiny), attention_backend="torch-gather"), num_slots=512)
+    )
+    runner = TorchRunner(ModelConfig(model=str(tiny), attention_backend="cpu-contig"), 512)
+    if budget is not None:
+        runner.backend.tails.budget = budget
+    ours = changing_batches(runner)
+    for step, (a, b) in enumerate(zip(ours, ref, strict=True)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=f"step {step}")
+    held = runner.backend.tails.held
+    # only the last step's decode (c, a 4-token tail), and only when its tail is long enough
+    assert list(held) == (["c"] if budget is None and min_tail <= 4 else [])
+
+
+def test_cpu_contig_reads_a_prefix_run_in_place():
+    a = entry("a", [1], 40, list(range(100, 140)) + [7])
+    b = entry("b", [2], 41, list(range(100, 140)) + [8, 9])
+    plan = build_plan([a, b], CPU, torch.float32, share_prefixes=True, pad_tails=False)
+    assert plan.decode is not None and plan.decode.prefixes[0].run == (100, 140)
+    assert plan.decode.starts == [40, 40]
+    c = entry("c", [1], 40, list(range(100, 120)) + list(range(121, 141)) + [7])
+    d = entry("d", [2], 40, list(range(100, 120)) + list(range(121, 141)) + [8])
+    plan = build_plan([c, d], CPU, torch.float32, share_prefixes=True, pad_tails=False)
+    assert plan.decode is not None and plan.decode.prefixes[0].run is None
 
 
 # -- bfloat16 against transformers in bfloat16 ---------------------------------------------------

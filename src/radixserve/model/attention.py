@@ -6,18 +6,24 @@ SDPA call; every longer span (a prefill chunk) gets its own call with an offset 
 
 Backends (``--attention-backend``, see ``BACKENDS``):
 
-- ``cpu-prefix`` (CPU default): decodes whose contexts share leading slots (requests on one
+- ``cpu-prefix``: decodes whose contexts share leading slots (requests on one
   cached prefix) read that prefix's K/V once per group instead of once per request, and merge
   it with their own tail by log-sum-exp (cascade attention); spans use SDPA's grouped-query
   mode, so K/V are never copied per query head.
 - ``cuda-sdpa`` (CUDA default): the same SDPA calls without the prefix split (the CPU flash
   kernel that returns the log-sum-exp is CPU-only).
+- ``cpu-contig`` (CPU default): as ``cpu-prefix``, but no decode context is gathered per step:
+  each running decode's context (after its shared prefix) is kept contiguous and head-major in
+  a buffer of its own, filled from the pool once and extended by one token per step, so the
+  flash kernel reads it in place; a shared prefix that is one run of slots is read from the
+  pool in place too.
 - ``torch-gather``: the reference: gather every decode's whole context per layer, spans with
   K/V expanded to every query head.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -39,6 +45,21 @@ class SharedPrefix:
 
     rows: torch.Tensor  # [m] indices into the decode rows
     slots: torch.Tensor  # [P]
+    run: tuple[int, int] | None = None  # (first, end) when ``slots`` are first .. end - 1
+
+
+@dataclass(slots=True)
+class Tail:
+    """One decode row's context after its shared prefix, as ``cpu-contig`` reads it this
+    step: columns ``lo .. hi - 1`` of ``buf`` ``[layers, 2, kv_heads, capacity, dim]``. Per
+    layer the columns from ``fill_col`` are first copied from the pool at ``fill`` (a new or
+    rebuilt buffer), and column ``hi - 1`` gets this step's new K/V."""
+
+    buf: torch.Tensor
+    lo: int
+    hi: int
+    fill: torch.Tensor | None = None  # [n] pool slots
+    fill_col: int = 0
 
 
 @dataclass(slots=True)
@@ -50,6 +71,11 @@ class DecodeGroup:
     slots: torch.Tensor  # [B, Lmax] context slots, padded with a valid slot
     mask: torch.Tensor | None  # [B, 1, 1, Lmax] additive; None when all contexts are as long
     prefixes: list[SharedPrefix] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)  # per row: where its own tail starts
+    # cpu-contig: per row its tail buffer, None for a short tail, which is gathered instead
+    # (rows ``short``, in ``slots`` / ``mask`` as above)
+    tails: list[Tail | None] = field(default_factory=list)
+    short: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -83,9 +109,11 @@ def build_plan(
     device: torch.device,
     dtype: torch.dtype,
     share_prefixes: bool = False,
+    pad_tails: bool = True,
 ) -> StepPlan:
     """Lay a batch's entries out as rows (decodes first) and precompute slots and masks;
-    ``share_prefixes`` finds decodes that share leading slots (for ``cpu-prefix``)."""
+    ``share_prefixes`` finds decodes that share leading slots (for ``cpu-prefix``);
+    ``pad_tails=False`` leaves the decodes' padded slots and mask out (``cpu-contig``)."""
     for e in entries:
         _check_entry(e)
     decodes = [i for i, e in enumerate(entries) if len(e.token_ids) == 1]
@@ -113,7 +141,9 @@ def build_plan(
         positions=as_tensor(pos),
         write_slots=as_tensor(write),
         last_rows=last_rows,
-        decode=_decode_group([entries[i] for i in decodes], device, dtype, share_prefixes),
+        decode=_decode_group(
+            [entries[i] for i in decodes], device, dtype, share_prefixes, pad_tails
+        ),
         spans=spans,
         span_prefixes=span_prefixes,
     )
@@ -130,22 +160,38 @@ def _check_entry(e: BatchEntry) -> None:
 
 
 def _decode_group(
-    entries: list[BatchEntry], device: torch.device, dtype: torch.dtype, share: bool = False
+    entries: list[BatchEntry],
+    device: torch.device,
+    dtype: torch.dtype,
+    share: bool = False,
+    pad: bool = True,
 ) -> DecodeGroup | None:
     if not entries:
         return None
     starts, prefixes = _shared_prefixes(entries, device) if share else ([0] * len(entries), [])
-    tails = [e.slots[s:] for e, s in zip(entries, starts, strict=True)]
+    if not pad:
+        return DecodeGroup(len(entries), torch.empty(0), None, prefixes, starts)
+    slots, mask = _padded_tails(
+        [e.slots[s:] for e, s in zip(entries, starts, strict=True)], device, dtype
+    )
+    return DecodeGroup(len(entries), slots, mask, prefixes, starts)
+
+
+def _padded_tails(
+    tails: Sequence[Sequence[int]], device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Slots ``[B, Lmax]`` of the rows' tails and their additive mask ``[B, 1, 1, Lmax]``
+    (None when all are as long)."""
     lens = [len(t) for t in tails]
     width = max(lens)
     # pad with the entry's own first slot so the gather never reads out of range
     padded = [list(t) + [t[0]] * (width - len(t)) for t in tails]
     slots = torch.tensor(padded, dtype=torch.int64, device=device)
     if min(lens) == width:
-        return DecodeGroup(len(entries), slots, None, prefixes)
+        return slots, None
     lengths = torch.tensor(lens, device=device)
     valid = torch.arange(width, device=device)[None, :] < lengths[:, None]
-    return DecodeGroup(len(entries), slots, _additive(valid, dtype)[:, None, None, :], prefixes)
+    return slots, _additive(valid, dtype)[:, None, None, :]
 
 
 def _shared_prefixes(
@@ -154,14 +200,29 @@ def _shared_prefixes(
     """Per decode row, where its own tail starts; and the groups of rows that share a prefix of
     at least MIN_SHARED_PREFIX slots (every row keeps at least its last slot as its tail)."""
     starts, groups = _prefix_groups(entries, range(len(entries)), lambda e: len(e.slots) - 1)
-    prefixes = [
-        SharedPrefix(
-            torch.tensor(rows, dtype=torch.int64, device=device),
-            torch.tensor(entries[rows[0]].slots[:shared], dtype=torch.int64, device=device),
+    prefixes = []
+    for rows, shared in groups:
+        slots = entries[rows[0]].slots[:shared]
+        prefixes.append(
+            SharedPrefix(
+                torch.tensor(rows, dtype=torch.int64, device=device),
+                torch.tensor(slots, dtype=torch.int64, device=device),
+                _as_run(slots),
+            )
         )
-        for rows, shared in groups
-    ]
     return starts, prefixes
+
+
+def _as_run(slots: Sequence[int]) -> tuple[int, int] | None:
+    """``(first, end)`` when ``slots`` are ``first, first + 1, .., end - 1``, else None (a run
+    is what a prefix prefilled in one step usually gets from the allocator)."""
+    first = slots[0]
+    end = first + len(slots)
+    if slots[-1] != end - 1:
+        return None
+    if isinstance(slots, array):
+        return (first, end) if slots == array(slots.typecode, range(first, end)) else None
+    return (first, end) if list(slots) == list(range(first, end)) else None
 
 
 def _common_length(a: Sequence[int], b: Sequence[int], upto: int) -> int:
@@ -279,6 +340,9 @@ class TorchGather:
     devices: tuple[str, ...] = ("cpu", "cuda")
     gqa = False  # spans in SDPA's grouped-query mode (K/V stay at their KV heads)
 
+    def bind(self, kv: KVPool) -> None:
+        """Told the pool it will read (once, before the first step)."""
+
     def plan(
         self, entries: Sequence[BatchEntry], device: torch.device, dtype: torch.dtype
     ) -> StepPlan:
@@ -347,8 +411,134 @@ class CpuPrefix(TorchGather):
         return out.reshape(q.shape[0], -1)
 
 
+class CpuContig(CpuPrefix):
+    """``cpu-prefix`` without the per-step gather of the decodes' contexts: each running decode
+    keeps its context after the shared prefix in a contiguous head-major buffer of its own
+    (``TailBuffers``), extended by one token per step and read in place by the flash kernel;
+    a shared prefix stored as one run of slots is read from the pool in place."""
+
+    name = "cpu-contig"
+
+    def __init__(self) -> None:
+        self.tails: TailBuffers | None = None
+
+    def bind(self, kv: KVPool) -> None:
+        # the buffers may hold at most half as many tokens as the pool (then: gathers)
+        self.tails = TailBuffers(kv, budget_tokens=kv.num_slots // 2)
+
+    def plan(
+        self, entries: Sequence[BatchEntry], device: torch.device, dtype: torch.dtype
+    ) -> StepPlan:
+        if self.tails is None:
+            raise RuntimeError("cpu-contig: bind(kv) must be called before the first step")
+        plan = build_plan(entries, device, dtype, share_prefixes=True, pad_tails=False)
+        group = plan.decode
+        if group is not None:  # a prefill-only step keeps the buffers for the next decode
+            decodes = [e for e in entries if len(e.token_ids) == 1]
+            group.tails = self.tails.update(decodes, group.starts, dtype)
+            short = [r for r, t in enumerate(group.tails) if t is None]
+            if short:
+                group.short = torch.tensor(short, dtype=torch.int64, device=device)
+                group.slots, group.mask = _padded_tails(
+                    [decodes[r].slots[group.starts[r] :] for r in short], device, dtype
+                )
+        return plan
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: StepPlan, kv: KVPool,
+        layer: int,
+    ) -> torch.Tensor:  # fmt: skip
+        outs = []
+        if plan.decode is not None:
+            b = plan.decode.size
+            outs.append(_attend_decode_tails(q[:b], k[:b], v[:b], plan.decode, kv, layer))
+        if plan.span_prefixes:
+            outs.append(_attend_spans_shared(q, k, v, plan, kv, layer))
+        else:
+            for span in plan.spans:
+                outs.append(_attend_span(q, k, v, span, kv, layer, gqa=True))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return out.reshape(q.shape[0], -1)
+
+
+class TailBuffers:
+    """The running decodes' contexts (from the start of their own tail), contiguous and
+    head-major, one buffer per request: built from the pool once (when a request starts
+    decoding, or its tail starts earlier than its buffer), then extended by the token each step
+    computes. A buffer is dropped when its request is not among the decodes of a step that has
+    decodes (a step of prefills only keeps them all), and reused
+    only while the request's slots still match the ones it was built from, so it always holds
+    what the pool holds at those slots. Beyond ``budget_tokens`` in all, rows are gathered."""
+
+    CHUNK = 64  # buffers grow by whole chunks of tokens
+    # a tail shorter than this is gathered each step: one padded call for all short tails costs
+    # less than a call per row (measured: engine_attention.py --contexts 33 --shared-prefix 384)
+    MIN_TAIL = 128
+
+    def __init__(self, kv: KVPool, budget_tokens: int) -> None:
+        self.layers, _, _, self.kv_heads, self.dim = kv.kv.shape
+        self.device = kv.kv.device
+        self.budget = budget_tokens
+        # rid -> (buffer, context position of column 0, the slots of its columns)
+        self.held: dict[str, tuple[torch.Tensor, int, Sequence[int]]] = {}
+
+    @property
+    def tokens(self) -> int:
+        return sum(buf.shape[3] for buf, _, _ in self.held.values())
+
+    def update(
+        self, entries: Sequence[BatchEntry], starts: Sequence[int], dtype: torch.dtype
+    ) -> list[Tail | None]:
+        """This step's Tail of each decode entry (whose own tail starts at ``starts``); None
+        for a tail shorter than ``MIN_TAIL``."""
+        old, self.held = self.held, {}
+        used = 0
+        tails: list[Tail | None] = []
+        for e, start in zip(entries, starts, strict=True):
+            n = e.seq_len
+            if n - start < self.MIN_TAIL:
+                tails.append(None)
+                continue
+            kept = old.get(e.rid)
+            if kept is not None:
+                buf, base, slots = kept
+                if base > start or buf.dtype != dtype or e.slots[base : base + len(slots)] != slots:
+                    kept = None
+            if kept is None:
+                cap = -(-(n - start) // self.CHUNK) * self.CHUNK
+                if used + cap > self.budget:  # over budget: this row reads a gathered copy
+                    tails.append(self._gathered(e, start, dtype))
+                    continue
+                shape = (self.layers, 2, self.kv_heads, cap, self.dim)
+                buf, base, slots = torch.empty(shape, dtype=dtype, device=self.device), start, []
+            filled = len(slots)
+            if n - base > buf.shape[3]:  # full: grow by chunks, keeping the filled columns
+                cap = -(-(n - base) // self.CHUNK) * self.CHUNK
+                grown = buf.new_empty((*buf.shape[:3], cap, self.dim))
+                grown[:, :, :, :filled] = buf[:, :, :, :filled]
+                buf = grown
+            used += buf.shape[3]
+            fill = None
+            if filled < n - 1 - base:  # columns not held yet, before this step's token
+                fill_slots = e.slots[base + filled : n - 1]
+                fill = torch.tensor(fill_slots, dtype=torch.int64, device=self.device)
+            self.held[e.rid] = (buf, base, e.slots[base:n])
+            tails.append(Tail(buf, start - base, n - base, fill, filled))
+        return tails
+
+    def _gathered(self, e: BatchEntry, start: int, dtype: torch.dtype) -> Tail:
+        """A one-step buffer filled from the pool (every column but this step's token)."""
+        n = e.seq_len
+        buf = torch.empty((self.layers, 2, self.kv_heads, n - start, self.dim), dtype=dtype,
+                          device=self.device)  # fmt: skip
+        fill = torch.tensor(e.slots[start : n - 1], dtype=torch.int64, device=self.device)
+        return Tail(buf, 0, n - start, fill if fill.numel() else None, 0)
+
+
 _CUDA_SDPA_KERNELS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-BACKENDS: dict[str, type[TorchGather]] = {b.name: b for b in (CpuPrefix, CudaSdpa, TorchGather)}
+BACKENDS: dict[str, type[TorchGather]] = {
+    b.name: b for b in (CpuContig, CpuPrefix, CudaSdpa, TorchGather)
+}
 BACKEND_CHOICES = ("auto", *BACKENDS)
 
 
@@ -356,7 +546,7 @@ def get_backend(name: str, device: torch.device) -> TorchGather:
     """The backend called ``name`` (``auto``: the device's default); ValueError when it does
     not run on ``device``."""
     if name == "auto":
-        name = "cuda-sdpa" if device.type == "cuda" else "cpu-prefix"
+        name = "cuda-sdpa" if device.type == "cuda" else "cpu-contig"
     if name not in BACKENDS:
         raise ValueError(
             f"unknown attention backend {name!r} (choose from {', '.join(BACKEND_CHOICES)})"
@@ -411,6 +601,75 @@ def _attend_decode_shared(
         kp = kp.transpose(0, 1)[None].to(q.dtype)
         vp = vp.transpose(0, 1)[None].to(q.dtype)
         op, lp = _flash_cpu(qm, kp, vp)
+        op = op.view(kv_heads, m, per_kv, dim).transpose(0, 1).float()
+        lp = lp.view(kv_heads, m, per_kv).transpose(0, 1)
+        lt = lse.index_select(0, p.rows)
+        total = torch.logaddexp(lp, lt)
+        merged = op * (lp - total).exp()[..., None]
+        merged += out.index_select(0, p.rows) * (lt - total).exp()[..., None]
+        out.index_copy_(0, p.rows, merged)
+    return out.to(q.dtype).reshape(b, heads * dim)
+
+
+def _attend_decode_tails(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: DecodeGroup, kv: KVPool, layer: int
+) -> torch.Tensor:
+    """Decodes over their tail buffers (one flash call per row, reading the buffer in place),
+    then each shared prefix in one call for its rows (in place when it is one run of slots),
+    merged by log-sum-exp."""
+    b, heads, dim = q.shape
+    kv_heads = kv.kv.shape[3]
+    per_kv = heads // kv_heads
+    qg = q.view(b, kv_heads, per_kv, dim)
+    # this step's K/V as the pool stores them (its dtype), in the buffers' head-major layout
+    new = torch.stack((k, v), 1).to(kv.kv.dtype).to(q.dtype)  # [b, 2, kv_heads, dim]
+    outs, lses = [], []
+    for r, t in enumerate(group.tails):
+        if t is None:
+            continue
+        buf = t.buf[layer]  # [2, kv_heads, capacity, dim]
+        if t.fill is not None:
+            fk, fv = kv.gather(layer, t.fill)  # [n, kv_heads, dim]
+            end = t.fill_col + t.fill.shape[0]
+            buf[0, :, t.fill_col : end] = fk.transpose(0, 1)
+            buf[1, :, t.fill_col : end] = fv.transpose(0, 1)
+        buf[:, :, t.hi - 1] = new[r]
+        o, lse = _flash_cpu(
+            qg[r : r + 1], buf[0, None, :, t.lo : t.hi], buf[1, None, :, t.lo : t.hi]
+        )
+        outs.append(o)
+        lses.append(lse)
+    if group.short is None:
+        out, lse = torch.cat(outs), torch.cat(lses)  # [b, kv_heads, per_kv, (dim)]
+    else:  # the short tails in one padded call, the others from their buffers
+        sk, sv = kv.gather(layer, group.slots)  # [S, Lmax, kv_heads, dim]
+        mask = group.mask
+        if mask is not None:
+            mask = mask.expand(-1, kv_heads, per_kv, -1)
+        so, sl = _flash_cpu(qg.index_select(0, group.short), sk.transpose(1, 2).to(q.dtype),
+                            sv.transpose(1, 2).to(q.dtype), attn_mask=mask)  # fmt: skip
+        if len(outs) == 0:
+            out, lse = so, sl
+        else:
+            long = [r for r, t in enumerate(group.tails) if t is not None]
+            at = torch.tensor(long, dtype=torch.int64, device=q.device)
+            out = so.new_empty(b, kv_heads, per_kv, dim).index_copy_(0, at, torch.cat(outs))
+            out.index_copy_(0, group.short, so)
+            lse = sl.new_empty(b, kv_heads, per_kv).index_copy_(0, at, torch.cat(lses))
+            lse.index_copy_(0, group.short, sl)
+    if not group.prefixes:
+        return out.reshape(b, heads * dim)
+    out = out.float()
+    for p in group.prefixes:
+        if p.run is not None:  # the pool's rows in place: [1, kv_heads, P, dim] views
+            kp = kv.kv[layer, 0, p.run[0] : p.run[1]].transpose(0, 1)[None]
+            vp = kv.kv[layer, 1, p.run[0] : p.run[1]].transpose(0, 1)[None]
+        else:
+            kp, vp = kv.gather(layer, p.slots)
+            kp, vp = kp.transpose(0, 1)[None], vp.transpose(0, 1)[None]
+        m = p.rows.shape[0]
+        qm = qg.index_select(0, p.rows).transpose(0, 1).reshape(1, kv_heads, m * per_kv, dim)
+        op, lp = _flash_cpu(qm, kp.to(q.dtype), vp.to(q.dtype))
         op = op.view(kv_heads, m, per_kv, dim).transpose(0, 1).float()
         lp = lp.view(kv_heads, m, per_kv).transpose(0, 1)
         lt = lse.index_select(0, p.rows)

@@ -46,6 +46,7 @@ class TorchRunner:
             arch, load_weights(model_dir), self.dtype, self.device, self.backend, self.kv_dtype
         )
         self.kv = self.model.new_kv_pool(num_slots)
+        self.backend.bind(self.kv)
         self.sampler = Sampler(model_config.sampling_seed)
         self.grammars = Grammars(self.info.tokenizer, arch.vocab_size, self.info.eos_token_ids)
 
