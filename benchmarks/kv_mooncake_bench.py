@@ -44,6 +44,7 @@ from radixserve.router.kvindex.mooncake_meta import store_keys
 from radixserve.router.kvindex.mooncake_reader import MooncakeIndexConfig, MooncakeStoreReader
 from radixserve.router.policies.cache_aware import CacheAwarePolicy
 from radixserve.router.policies.kv_aware import KvAwarePolicy
+from radixserve.router.proxy.kvs_transport import PooledMaster
 from radixserve.router.proxy.request_body import request_view
 from redis_harness import RedisServer
 
@@ -73,7 +74,9 @@ async def decisions(
     }
     readers = []
     for chunk in chunks:
-        reader = MooncakeStoreReader(MooncakeIndexConfig(metrics_addr, chunk_size=chunk))
+        # with the router's own transport to the master, as `route` builds it
+        mc = MooncakeIndexConfig(metrics_addr, chunk_size=chunk)
+        reader = MooncakeStoreReader(mc, PooledMaster(metrics_addr, mc.timeout_ms / 1000))
         for w in ids:
             reader.register(w, {"kv_store": {"namespace": NS, "segment": None}})
         readers.append(reader)

@@ -166,6 +166,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--queries", type=int, default=400)
+    ap.add_argument("--only", default="throughput,query", help="parts to run, comma-separated")
     args = ap.parse_args()
     rounds = 3 if args.quick else args.rounds
     reps = 100 if args.quick else args.queries
@@ -174,9 +175,11 @@ def main() -> None:
     try:
         print("Mooncake Store: mooncake-transfer-engine-non-cuda 0.3.13.post1, TCP over loopback, "
               "1 GiB store segment; client mounts none")  # fmt: skip
-        for page in (64 << 10, SMOLLM2_PAGE):
+        parts = set(args.only.split(","))
+        for page in (64 << 10, SMOLLM2_PAGE) if "throughput" in parts else ():
             bench_throughput(cluster, page, args.batch, rounds)
-        bench_query(cluster, reps)
+        if "query" in parts:
+            bench_query(cluster, reps)
     finally:
         cluster.stop()
 

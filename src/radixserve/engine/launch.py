@@ -116,6 +116,7 @@ class EngineConfig:
         return runner, cache, info
 
     def _torch_runner(self) -> tuple[Any, CacheConfig, dict[str, Any]]:
+        from radixserve.model.load_ratio import measure_load_ratio
         from radixserve.model.runner import TorchRunner
 
         runner = TorchRunner(self.model, self.cache.max_total_tokens)
@@ -125,7 +126,11 @@ class EngineConfig:
                 # what --dtype auto / --kv-cache-dtype / --attention-backend resolved to
                 "dtype": str(runner.dtype).removeprefix("torch."),
                 "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch."),
-                "attention_backend": runner.backend.name}  # fmt: skip
+                "attention_backend": runner.backend.name,
+                # what a kv_aware router charges for KV this engine loads instead of computing
+                # (only where there is a lower tier to load from: it costs two 1,024-token prefills)
+                "kv_load_to_prefill_ratio": measure_load_ratio(runner)
+                if self.cache.enable_hierarchical_cache else None}  # fmt: skip
         return runner, self.cache, info
 
 

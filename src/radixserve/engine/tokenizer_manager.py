@@ -33,6 +33,9 @@ from radixserve.sched.request import SamplingParams
 # The engine's own request ids start with this; a client's rid may not, so that no client can
 # take (or abort) an id the server hands another client's request.
 SERVER_RID_PREFIX = "rs-"
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+"""Appended to a continued last message to find where its content ends once rendered (the
+marker transformers uses, so the text is the one vLLM renders)."""
 
 
 class RequestError(Exception):
@@ -165,13 +168,18 @@ class TokenizerManager:
         if inp.add_generation_prompt:
             raise RequestError("continue_final_message and add_generation_prompt cannot both "
                                "be true")  # fmt: skip
-        text = self.tokenizer.apply_chat_template(inp.messages, add_generation_prompt=False)
-        last = str(inp.messages[-1].get("content") or "")
-        end = text.rfind(last) if last else -1
-        if end < 0:
-            raise RequestError("continue_final_message needs a last message with content that "
-                               "the chat template keeps")  # fmt: skip
-        return text[: end + len(last)]
+        # transformers' rule, which vLLM applies: render with a marker after the last message's
+        # content and cut there (an empty content leaves the turn's header open). Searching for
+        # the content itself found "end" inside "<|im_end|>".
+        last = inp.messages[-1]
+        content = str(last.get("content") or "")
+        marked = [*inp.messages[:-1], {**last, "content": content + CONTINUE_TAG}]
+        text = self.tokenizer.apply_chat_template(marked, add_generation_prompt=False)
+        at = text.rfind(CONTINUE_TAG.strip())
+        if at < 0 or content.strip() not in text:
+            raise RequestError("continue_final_message needs a last message that the chat "
+                               "template keeps")  # fmt: skip
+        return text[:at] if text.startswith(CONTINUE_TAG, at) else text[:at].rstrip()
 
     def _check_names_used(self, messages: list[dict[str, Any]]) -> None:
         """A message's name reaches the model only through the chat template: refuse it where

@@ -178,6 +178,7 @@ def _admin_routes(state: ServerState) -> APIRouter:
             "engine": state.engine.info, "engine_alive": state.dead() is None,
             "kv_events": state.engine.info.get("kv_events"),
             "kv_store": state.engine.info.get("kv_store"),
+            "kv_load_to_prefill_ratio": state.engine.info.get("kv_load_to_prefill_ratio"),
             "stats": await _stats(state),
         }  # fmt: skip
 

@@ -149,3 +149,45 @@ def test_per_block_extra_keys_carry_the_salt_on_the_first_block():
     assert batch.events[0].namespace == namespace_string(None, "tenant-a")
     amap |= {"block_hashes": [1, 2], "token_ids": PROMPT[:8], "extra_keys": [["t"], None]}
     assert parse_payload(msgpack.packb([0.0, [amap]])).events[0].namespace == "\x1ft"
+
+
+# ----- lower media (vLLM's `medium`: "CPU" is its host offload tier) --------------------------------
+
+
+def loadable(index, worker, prompt=PROMPT):
+    return index.lower_tokens([worker], lambda n: block_keys(prompt, n)).get(worker)
+
+
+def test_host_blocks_are_kept_apart_and_answer_lower_tokens():
+    index = InMemoryIndex()
+    index.apply("w", [stored([1, 2, 3], None, PROMPT[:12])])
+    index.apply("w", [stored([1, 2, 3], None, PROMPT[:12], medium="CPU")])
+    index.apply("w", [BlockRemoved((2, 3), "GPU")])  # evicted from device, still on host
+    assert matched(index, "w") == 4
+    assert loadable(index, "w") == 12
+    assert index.lower_blocks() == {"w": {"CPU": 3}} and index.blocks() == {"w": 1}
+    index.apply("w", [BlockRemoved((3,), "CPU")])
+    assert loadable(index, "w") == 8
+    index.check_integrity()
+
+
+def test_hash_only_offload_events_are_keyed_by_the_device_block_they_copy():
+    # vLLM's CPU offloading announces stored blocks by hash, without token ids or parent
+    index = InMemoryIndex()
+    index.apply("w", [stored([7, 8], None, PROMPT[:8])])
+    index.apply("w", [BlockStored((7, 8, 99), None, (), BS, "", "CPU")])  # 99: never on device
+    index.apply("w", [BlockRemoved((7, 8))])
+    assert matched(index, "w") == 0 and loadable(index, "w") == 8
+    assert index.stats.orphans == 1
+
+
+def test_a_run_may_mix_device_and_host_blocks_and_a_host_parent_chains():
+    index = InMemoryIndex()
+    index.apply("w", [stored([1], None, PROMPT[:4])])  # block 0 on device only
+    # blocks 1-2 offloaded with token ids, their parent (block 0) found on device
+    index.apply("w", [stored([2, 3], 1, PROMPT[4:12], medium="cpu")])
+    assert matched(index, "w") == 4 and loadable(index, "w") == 12
+    index.apply("w", [AllBlocksCleared()])  # the device pool's reset: the host keeps its own
+    assert matched(index, "w") == 0 and loadable(index, "w") is None  # its run starts at 1
+    index.drop_worker("w")
+    assert index.lower_blocks() == {}

@@ -128,6 +128,21 @@ def test_short_prompts_are_placed_by_load_alone():
     assert policy.select(workers, view(SHARED), 0.0) == 0
 
 
+def test_short_prompts_one_at_a_time_go_round_an_idle_fleet():
+    # Under cache_aware_scheduling_min_tokens (16: less than one block) every worker ties on
+    # load and queue: they went to the first worker, one after another.
+    policy = KvAwarePolicy()
+    workers = fleet(3)
+    picks = []
+    for k in range(6):
+        req = view([k] * 5)
+        i = policy.select(workers, req, 0.0)
+        policy.on_dispatch(workers[i].id, req, 0.0)
+        policy.on_complete(workers[i].id, req, 0.0)
+        picks.append(i)
+    assert sorted(picks) == [0, 0, 1, 1, 2, 2]
+
+
 def test_namespaces_never_hit_each_other():
     policy = KvAwarePolicy()
     hold(policy, "w2", SHARED, ns=namespace_string(None, "tenant-a"))

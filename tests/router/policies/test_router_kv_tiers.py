@@ -11,7 +11,7 @@ import pytest
 
 from radixserve.cache.hashing import KVNamespace, page_keys
 from radixserve.config import add_dataclass_args, from_args
-from radixserve.router.kvindex.event_format import BlockStored
+from radixserve.router.kvindex.event_format import BlockRemoved, BlockStored
 from radixserve.router.kvindex.mooncake_meta import KeyLocation, Replica, store_keys
 from radixserve.router.kvindex.mooncake_reader import MooncakeIndexConfig, MooncakeStoreReader
 from radixserve.router.kvindex.tiers import FixedTier
@@ -184,7 +184,7 @@ def test_llumnix_flag_names_build_a_mooncake_reader(monkeypatch):
         "--cache-aware-scheduling-min-tokens", "1024",
     )  # fmt: skip
     reader, policy = open_kv_index(cfg, lambda url: None)
-    assert isinstance(reader, MooncakeStoreReader) and policy.lower == (reader,)
+    assert isinstance(reader, MooncakeStoreReader) and policy.lower[-1] is reader
     mc = reader.config
     assert (mc.address, mc.hash_algo, mc.chunk_size, mc.seed, mc.save_unfull_chunk) == (
         "127.0.0.1:8123", "xxhash", 128, 42, True)  # fmt: skip
@@ -218,3 +218,59 @@ def test_go_hash_seed_must_be_an_integer(monkeypatch):
         hash_seed()
     monkeypatch.delenv("GO_HASH_SEED")
     assert hash_seed() == 0
+
+
+# ----- the host tier, from KV events' `medium` --------------------------------------------------
+
+
+def offload(policy, worker, ids, evict=True):
+    """`worker` computed `ids`, offloaded them to its host tier and (evict) dropped them from
+    its device pool, as vLLM's KV events with CPU offloading say."""
+    n = len(ids) // BS
+    hashes = tuple(range(n))
+    policy.index.apply(worker, [BlockStored(hashes, None, tuple(ids[: n * BS]), BS, "")])
+    policy.index.apply(worker, [BlockStored(hashes, None, (), BS, "", "CPU")])
+    if evict:
+        policy.index.apply(worker, [BlockRemoved(hashes, "GPU")])
+
+
+def test_a_prefix_evicted_to_the_host_tier_is_still_routed_to_its_holder():
+    policy = KvAwarePolicy(CachePolicyConfig(cache_aware_scheduling_min_tokens=0))
+    offload(policy, "w1", PROMPT)
+    workers = [WorkerView("w0"), WorkerView("w1"), WorkerView("w2")]
+    assert policy.cached_tokens(workers, view(PROMPT)).get("w1") == 0  # not on device
+    assert policy.select(workers, view(PROMPT), 0.0) == 1
+    req = view(PROMPT)
+    policy.select(workers, req, 0.0)
+    policy.on_dispatch("w1", req, 0.0)
+    assert policy.loaded_tokens == len(PROMPT)
+
+
+def test_host_holder_with_a_long_queue_yields_to_a_store_loader_or_an_idle_worker():
+    # w1 can reload from its host (0.1 per token: ~102 tokens of work) but has 8,000 prefill
+    # tokens queued (2,000 at PENDING_WEIGHT): an idle w0 recomputing 1,024 tokens wins
+    policy = KvAwarePolicy(CachePolicyConfig(cache_aware_scheduling_min_tokens=0))
+    offload(policy, "w1", PROMPT)
+    workers = [WorkerView("w0"), WorkerView("w1", prefill_tokens=8000, reported_at=0.0)]
+    assert policy.select(workers, view(PROMPT), 1.0) == 0
+    # with the store also holding it for w0, w0 loads it instead of recomputing: same pick,
+    # and the decision counts it as loaded
+    policy = policy_with(FixedTier({"w0": len(PROMPT)}))
+    offload(policy, "w1", PROMPT)
+    req = view(PROMPT)
+    assert policy.select(workers, req, 1.0) == 0
+    policy.on_dispatch("w0", req, 1.0)
+    assert policy.loaded_tokens == len(PROMPT) and policy.pending(workers[0]) == 0
+
+
+def test_host_and_store_ratios_rank_device_first_then_cheapest_load():
+    store = FixedTier({"w2": len(PROMPT)})
+    policy = policy_with(store)
+    hold(policy, "w0", PROMPT[: len(PROMPT) // 2])  # half on device, nothing lower
+    offload(policy, "w1", PROMPT)  # all on host, loads at 0.3
+    workers = [WorkerView("w0"), WorkerView("w1", kv_load_ratio=0.3),
+               WorkerView("w2", kv_load_ratio=0.05)]  # fmt: skip
+    # work: w0 512, w1 0.3 * 1024 = 307, w2 0.05 * 1024 = 51
+    assert policy.select(workers, view(PROMPT), 0.0) == 2
+    workers[2] = WorkerView("w2", kv_load_ratio=0.6)  # 614: now the host tier's w1 is cheapest
+    assert policy.select(workers, view(PROMPT), 0.0) == 1

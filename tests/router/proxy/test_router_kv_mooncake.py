@@ -15,7 +15,7 @@ from radixserve.router.kvindex.mooncake_client import KvsMetadataConfig, Mooncak
 from radixserve.router.kvindex.mooncake_meta import present_prefix, store_keys
 from server_harness import ServerProcess
 from test_router_fleet import RouterProc
-from test_router_kv_procs import events_config, wait_for
+from test_router_kv_procs import events_config, free_port, healthy, wait_for
 
 pytest.importorskip("httptools")
 
@@ -30,11 +30,16 @@ def cluster():
     c.stop()
 
 
-def sim_worker(cluster: MooncakeCluster) -> ServerProcess:
+def sim_worker(
+    cluster: MooncakeCluster, ports: tuple[int, int, int] | None = None
+) -> ServerProcess:
+    """A `serve --sim` worker writing to the store; `ports` (HTTP, events, replay): fixed, so
+    that a restart comes back where the router knows it."""
     store = {"backend": "mooncake", "master_server_address": cluster.master_rpc,
              **backend_ports(cluster.client_env()), "chunk_size": CHUNK}  # fmt: skip
-    return ServerProcess(["--sim", "tiny-cpu", "--max-total-tokens", "4096",
-                          "--kv-events-config", events_config(),
+    fixed = ["--port", str(ports[0])] if ports else []
+    return ServerProcess(["--sim", "tiny-cpu", "--max-total-tokens", "4096", *fixed,
+                          "--kv-events-config", events_config(*(ports or (0, 0, 0))[1:]),
                           "--sim-kv-store", json.dumps(store)])  # fmt: skip
 
 
@@ -121,6 +126,38 @@ def test_store_holdings_route_and_survive_their_writer(cluster, procs):
     time.sleep(1.1)
     delta, _ = routed(router, PREFIX + [22] * 20)
     assert delta["kvs_lookups_total"] == 1 and router.metrics()["kvs_up"] == 1
+
+
+def test_a_restarted_writer_s_store_keys_still_count(cluster, procs):
+    """Worker A computes a prefix (its pages go to the store process) and restarts on the same
+    address with an empty device pool: the router, which followed A's first life, drops A's
+    device holdings yet still expects the whole prefix to be loaded from the store."""
+    pin_this_process()
+    ports = (free_port(), free_port(), free_port())
+    a, b = sim_worker(cluster, ports), sim_worker(cluster)
+    procs.extend([a, b])
+    prefix = [p + 7000 for p in PREFIX]  # not the other test's: its pages may still be there
+    assert generate(a, prefix) == 200
+    keys = store_keys(prefix, a.get("/get_server_info").json()["kv_store"]["namespace"], CHUNK)
+    client = MooncakeMetadataClient(KvsMetadataConfig(cluster.metrics_addr))
+    wait_for(lambda: present_prefix(client.query(keys) or []) == len(keys), "A's pages stored")
+    client.close()
+    router = RouterProc([a.url, b.url], "--policy", "kv_aware",
+                        "--kv-index", f"mooncake://{cluster.metrics_addr}",
+                        "--kvs-chunk-size", str(CHUNK), "--cache-aware-scheduling-min-tokens",
+                        "64")  # fmt: skip
+    procs.append(router)
+    wait_for(lambda: router.metrics().get("kvs_workers") == 2, "the workers' store segments")
+    wait_for(lambda: router.metrics().get(f"kv_index_blocks@{a.url}", 0) >= 10, "A's blocks")
+    a.stop(check=False)
+    again = sim_worker(cluster, ports)
+    procs.append(again)
+    assert generate(again, [5] * 40) == 200  # the new life publishes from seq 0 again
+    wait_for(lambda: router.metrics().get(f"kv_index_blocks@{a.url}", 99) < 10, "A's new life")
+    wait_for(lambda: healthy(router, a.url), "the router to see A healthy again")
+    delta, _ = routed(router, prefix + [9] * 20)
+    assert delta["kv_expected_hit_tokens_total"] == 0
+    assert delta["kv_expected_loaded_tokens_total"] == len(prefix)
 
 
 # ----- the simulated workers' store writes, without Mooncake -------------------------------------

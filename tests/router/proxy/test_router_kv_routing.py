@@ -11,6 +11,7 @@ import pytest
 from radixserve.engine.tokenizer_manager import GenerateInput, TokenizerManager
 from radixserve.router.policies.kv_aware import KvAwarePolicy
 from radixserve.router.proxy.kv_setup import KvRouting, load_tokenizer, prompt_ids
+from test_router_request_body import CHAT_CORPUS
 
 MESSAGES = [
     {"role": "system", "content": "You are terse."},
@@ -40,6 +41,21 @@ def test_router_tokenizes_as_the_engine(path):
     assert prompt_ids({"input_ids": [5, 6, 7]}, tok) == [5, 6, 7]
     assert prompt_ids({"prompt": [[8, 9], [1]]}, tok) == [8, 9]
     assert prompt_ids({}, tok) is None
+
+
+CONTINUED = [i for i, (body, _) in enumerate(CHAT_CORPUS) if body.get("continue_final_message")]
+
+
+@pytest.mark.parametrize("case", CONTINUED)
+def test_the_engine_continues_a_final_message_as_the_router_and_vllm(case):
+    """continue_final_message in the engine's tokenizer manager: the ids the router computes
+    (equal to transformers' rendering, which vLLM uses: test_router_request_body.py), even where
+    the message's text also occurs in the template's markup, or is empty."""
+    tok = load_tokenizer("built-in:SmolLM2-135M")
+    body, normalised = CHAT_CORPUS[case]
+    msgs = normalised or body["messages"]
+    got = engine_ids(tok, messages=msgs, add_generation_prompt=False, continue_final_message=True)
+    assert got == prompt_ids(body, tok)
 
 
 def test_a_worker_with_another_tokenizer_is_refused():

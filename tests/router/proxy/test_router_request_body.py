@@ -118,6 +118,25 @@ CHAT_CORPUS = [
         },
         [SYSTEM, {"role": "user", "content": "List"}, {"role": "assistant", "content": "1.\n2."}],
     ),  # fmt: skip
+    # continued messages whose text also occurs in the template's own markup ("end" in
+    # "<|im_end|>"), and an empty one: vLLM leaves the assistant's header open (no content,
+    # or "", is "" once vLLM parses it; transformers' marker rule then cuts right after it)
+    *(
+        (
+            {
+                "messages": [{"role": "user", "content": "Say end"}, last],
+                "add_generation_prompt": False,
+                "continue_final_message": True,
+            },
+            [{"role": "user", "content": "Say end"}, {"role": "assistant", "content": text}],
+        )
+        for last, text in [
+            ({"role": "assistant", "content": "end"}, "end"),
+            ({"role": "assistant", "content": ">"}, ">"),
+            ({"role": "assistant", "content": ""}, ""),
+            ({"role": "assistant"}, ""),
+        ]
+    ),
 ]
 
 

@@ -30,6 +30,7 @@ from radixserve.router.proxy.worker_shapes import (
     parse_kv_events_flag,
     parse_prometheus,
     radixserve_load,
+    server_load_ratio,
     sglang_event_sources,
     sglang_load,
     sglang_metrics_load,
@@ -318,3 +319,32 @@ def test_our_worker_s_store_segment_and_load_ratio_reach_the_router():
     assert info["kv_events"]["endpoint"] == "tcp://127.0.0.1:5557"
     load = asyncio.run(kinds.read_load("w1", "http://127.0.0.1:9", get))
     assert load.kv_load_ratio == 0.1 and load.waiting_prefill_tokens == 30
+    assert kinds.load_ratio("w1") == 0.1
+
+
+def test_our_engine_s_measured_ratio_in_its_server_info_is_the_worker_s_ratio():
+    """The engine measures kv_load_to_prefill_ratio once at start-up and reports it in
+    /get_server_info (top level, and in its engine facts): the router keeps it across load
+    reports that do not repeat it; a report that does say one wins."""
+    kinds = WorkerKinds("radixserve")
+    kinds.register("w1", "http://127.0.0.1:9")
+    answers = {
+        "/get_server_info": {"kv_events": None, "kv_load_to_prefill_ratio": 0.0421,
+                             "engine": {"kv_load_to_prefill_ratio": 0.0421}},
+        "/get_loads": {"num_running": 0, "num_waiting": 0, "waiting_prefill_tokens": 0},
+    }  # fmt: skip
+
+    async def get(path: str) -> tuple[int, bytes]:
+        return (200, json.dumps(answers[path]).encode()) if path in answers else (404, b"")
+
+    assert kinds.load_ratio("w1") is None  # not asked yet: kv_aware charges its default
+    asyncio.run(kinds.adapter("w1", "http://127.0.0.1:9", get)("/get_server_info"))
+    asyncio.run(kinds.read_load("w1", "http://127.0.0.1:9", get))
+    assert kinds.load_ratio("w1") == 0.0421
+    answers["/get_loads"]["kv_load_to_prefill_ratio"] = 0.2
+    asyncio.run(kinds.read_load("w1", "http://127.0.0.1:9", get))
+    assert kinds.load_ratio("w1") == 0.2
+    assert server_load_ratio({"engine": {"kv_load_to_prefill_ratio": 0.5}}) == 0.5
+    for bad in ({"kv_load_to_prefill_ratio": -1}, {"kv_load_to_prefill_ratio": True},
+                {"kv_load_to_prefill_ratio": "0.1"}, {"engine": None}, None):  # fmt: skip
+        assert server_load_ratio(bad) is None

@@ -22,6 +22,17 @@ block keys, and InMemoryIndex. Pure: no I/O, no clock, no threads."""
 # Matching. prefix_tokens gives each worker's longest CONTIGUOUS run of held keys from the
 # first block: a block held without its parent (vLLM can evict a parent first) is no hit,
 # because the engine would have to recompute the parent and everything after it.
+#
+# Media (issue 28). A BlockStored's `medium` says which pool holds the blocks (vLLM's names:
+# "GPU" for the engine's own pool, "CPU" for its host offload tier; see DEVICE_MEDIA). Device
+# blocks are what prefix_tokens counts. Blocks on any other medium are kept apart, per worker
+# and per medium (one block may sit on several), and answer lower_tokens: the leading prompt
+# tokens a worker holds on device or can load from that medium, which kv_aware prices at the
+# worker's load-to-prefill ratio (kvindex/tiers.py's HostTier). vLLM's CPU offloading announces
+# an offloaded block by its hash alone (no token ids): it is keyed by the device block of the
+# same hash, which it was copied from while still held there. AllBlocksCleared is the device
+# pool's (vLLM's prefix-cache reset) and leaves the lower media as they are; drop_worker
+# forgets them all.
 
 from __future__ import annotations
 
@@ -128,6 +139,14 @@ class BlockIndex(ABC):
     def blocks(self) -> dict[WorkerId, int]:
         """Blocks held per known worker (for /metrics, and kv_aware's placement)."""
 
+    def lower_tokens(
+        self, workers: Iterable[WorkerId], keys_for: Callable[[int], Sequence[BlockKey]]
+    ) -> dict[WorkerId, int]:
+        """For each worker among `workers` holding blocks on a lower medium (host memory,
+        disk), the leading prompt tokens it holds on device or can load from one such medium
+        (the most over its media). An index that keeps no lower media answers {}."""
+        return {}
+
     def removed_blocks(self, worker: WorkerId) -> int:
         """Blocks `worker` has removed since it became known (BlockRemoved events that hit):
         kv_aware compares it between decisions to tell a worker that is evicting. An index that
@@ -172,12 +191,30 @@ class _Worker:
         return True
 
 
+class _Either:
+    """Keys held in either of two sets (device blocks count towards a lower-tier run)."""
+
+    __slots__ = ("a", "b")
+
+    def __init__(self, a: Container[BlockKey], b: Container[BlockKey]) -> None:
+        self.a, self.b = a, b
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.a or key in self.b
+
+
+def lower_medium(medium: str | None) -> str | None:
+    """The name a medium is kept under: None for the engine's own (device) pool."""
+    return None if medium in DEVICE_MEDIA else str(medium).upper()
+
+
 class InMemoryIndex(BlockIndex):
     """The index in the router's own memory: a dict per worker (about 200 bytes per block;
     benchmarks/kv_router_bench.py measures it)."""
 
     def __init__(self) -> None:
         self._workers: dict[WorkerId, _Worker] = {}
+        self._lower: dict[WorkerId, dict[str, _Worker]] = {}  # worker -> medium -> its blocks
         self._removed: dict[WorkerId, int] = {}
         self.stats = IndexStats()
 
@@ -198,6 +235,7 @@ class InMemoryIndex(BlockIndex):
     def drop_worker(self, worker: WorkerId) -> None:
         self._workers.pop(worker, None)
         self._removed.pop(worker, None)
+        self._lower.pop(worker, None)
 
     def block_size(self, worker: WorkerId) -> int | None:
         state = self._workers.get(worker)
@@ -218,6 +256,27 @@ class InMemoryIndex(BlockIndex):
     def blocks(self) -> dict[WorkerId, int]:
         return {w: len(s.by_engine) for w, s in self._workers.items()}
 
+    def lower_blocks(self) -> dict[WorkerId, dict[str, int]]:
+        """Blocks held per worker on each lower medium (for /metrics and tests)."""
+        return {w: {m: len(s.by_engine) for m, s in media.items()}
+                for w, media in self._lower.items()}  # fmt: skip
+
+    def lower_tokens(
+        self, workers: Iterable[WorkerId], keys_for: Callable[[int], Sequence[BlockKey]]
+    ) -> dict[WorkerId, int]:
+        out: dict[WorkerId, int] = {}
+        for worker in workers:
+            best = 0
+            device = self._workers.get(worker)
+            for state in self._lower.get(worker, {}).values():
+                held: Container[BlockKey] = state.refs
+                if device is not None and device.block_size == state.block_size:
+                    held = _Either(state.refs, device.refs)
+                best = max(best, leading_held(keys_for(state.block_size), held) * state.block_size)
+            if best:
+                out[worker] = best
+        return out
+
     def removed_blocks(self, worker: WorkerId) -> int:
         return self._removed.get(worker, 0)
 
@@ -230,15 +289,21 @@ class InMemoryIndex(BlockIndex):
         return len(keys)
 
     def check_integrity(self) -> None:
-        """Recount every worker's key references from its engine-hash map."""
-        for worker, state in self._workers.items():
+        """Recount every worker's key references (each medium's) from its engine-hash map."""
+        states = [(w, s) for w, s in self._workers.items()]
+        states += [((w, m), s) for w, media in self._lower.items() for m, s in media.items()]
+        for worker, state in states:
             counts: dict[BlockKey, int] = {}
             for key in state.by_engine.values():
                 counts[key] = counts.get(key, 0) + 1
             assert counts == state.refs, f"reference counts of {worker!r} drifted"
 
     def _store(self, worker: WorkerId, event: BlockStored) -> None:
-        if event.medium not in DEVICE_MEDIA or not event.block_hashes:
+        if not event.block_hashes:
+            return
+        medium = lower_medium(event.medium)
+        if medium is not None:
+            self._store_lower(worker, medium, event)
             return
         size = _learned_block_size(event)
         state = self._workers.get(worker)
@@ -258,14 +323,64 @@ class InMemoryIndex(BlockIndex):
             state.add(engine_hash, key)
         self.stats.stored += len(keys)
 
+    def _store_lower(self, worker: WorkerId, medium: str, event: BlockStored) -> None:
+        """Blocks entering a lower medium: keyed from their token ids and parent (the parent
+        may be found on that medium or on device), or, announced by hash alone, by the device
+        block of the same hash they were copied from."""
+        size = _learned_block_size(event) if event.token_ids else event.block_size
+        media = self._lower.setdefault(worker, {})
+        state = media.get(medium)
+        if state is not None and state.block_size != size:
+            self.stats.resets += 1
+            state = None
+        if state is None:
+            state = media[medium] = _Worker(size)
+        device = self._workers.get(worker)
+        if device is not None and device.block_size != size:
+            device = None
+        if event.token_ids:
+            parent = None
+            if event.parent_block_hash is not None:
+                parent = _lookup(event.parent_block_hash, state, device)
+                if parent is None:
+                    self.stats.orphans += len(event.block_hashes)
+                    return
+            keys: list[BlockKey | None] = list(
+                chain_keys(parent, event.token_ids, size, event.namespace)
+            )
+        else:
+            keys = [_lookup(h, None, device) for h in event.block_hashes]
+        for engine_hash, key in zip(event.block_hashes, keys):
+            if key is None:
+                self.stats.orphans += 1
+            else:
+                state.add(engine_hash, key)
+                self.stats.stored += 1
+
     def _remove(self, worker: WorkerId, event: BlockRemoved) -> None:
+        medium = lower_medium(event.medium)
+        if medium is not None:
+            lower = self._lower.get(worker, {}).get(medium)
+            if lower is not None:
+                self.stats.removed += sum(map(lower.discard, event.block_hashes))
+            return
         state = self._workers.get(worker)
-        if state is None or event.medium not in DEVICE_MEDIA:
+        if state is None:
             return
         n = sum(map(state.discard, event.block_hashes))
         if n:
             self.stats.removed += n
             self._removed[worker] = self._removed.get(worker, 0) + n
+
+
+def _lookup(engine_hash: EngineHash, *states: _Worker | None) -> BlockKey | None:
+    """The router key of `engine_hash` in the first of `states` that maps it."""
+    for state in states:
+        if state is not None:
+            key = state.by_engine.get(engine_hash)
+            if key is not None:
+                return key
+    return None
 
 
 def _learned_block_size(event: BlockStored) -> int:

@@ -6,6 +6,12 @@ metrics port), with Llumnix's retry and down-gating; the answer is parsed by `me
 # metadata service is down for `--kvs-metadata-service-down-duration-s`, and queries in that
 # window return None at once (the caller routes without the store) instead of waiting on it.
 # The first query after the window tries again. One outage logs one line.
+#
+# Transport. `aquery` (the router's, once per routed request) goes through a MasterHttp: the
+# router passes its own keep-alive client (proxy/kvs_transport.py), because httpx's AsyncClient
+# collapsed under concurrent lookups: 43-96 queries/s against the master at 16 in flight, where
+# the router's pool answered 1,000-2,000 on the same machine (benchmarks/kv_mooncake_router_bench.py
+# and /work/notes/n8.md). httpx stays the default for tools and tests that build a client alone.
 
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import httpx
 
@@ -45,6 +52,31 @@ class KvsMetadataConfig:
             raise ValueError("kvs timeout must be > 0")
 
 
+class MasterHttp(Protocol):
+    """GET on the master's HTTP port: (status, body) within `timeout` seconds; raises
+    ConnectionError, OSError or TimeoutError when it cannot."""
+
+    async def get(self, path: str, timeout: float) -> tuple[int, bytes]: ...
+    async def aclose(self) -> None: ...
+
+
+class HttpxMaster:
+    """MasterHttp over httpx's AsyncClient (the default where no router passes its own)."""
+
+    def __init__(self, base: str) -> None:
+        self.client = httpx.AsyncClient(base_url=base)
+
+    async def get(self, path: str, timeout: float) -> tuple[int, bytes]:
+        try:
+            resp = await self.client.get(path, timeout=timeout)
+        except httpx.HTTPError as exc:
+            raise ConnectionError(str(exc) or type(exc).__name__) from None
+        return resp.status_code, resp.content
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
 @dataclass(slots=True)
 class MetadataStats:
     queries: int = 0  # answered
@@ -56,7 +88,12 @@ class MetadataStats:
 class MooncakeMetadataClient:
     """`query` (blocking) and `aquery` (asyncio) return each key's locations, or None."""
 
-    def __init__(self, config: KvsMetadataConfig, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        config: KvsMetadataConfig,
+        clock: Callable[[], float] = time.monotonic,
+        transport: MasterHttp | None = None,
+    ) -> None:
         self.config = config
         self.clock = clock
         self.gate = KvsGate(config.down_duration_s)
@@ -65,7 +102,7 @@ class MooncakeMetadataClient:
         self.base = f"http://{config.address}"
         self._timeout = config.timeout_ms / 1000
         self._sync: httpx.Client | None = None
-        self._async: httpx.AsyncClient | None = None
+        self._async = transport  # aquery's; httpx's (made on first use) when None
 
     @property
     def up(self) -> bool:
@@ -101,16 +138,18 @@ class MooncakeMetadataClient:
         if not self.gate.up(self.clock()):
             self.stats.fallbacks += 1
             return None
-        self._async = self._async or httpx.AsyncClient(base_url=self.base, timeout=self._timeout)
+        self._async = self._async or HttpxMaster(self.base)
         t0, out = time.perf_counter(), []
         for chunk in chunks:
             locs, error = None, None
             for attempt in range(self.config.retry_times + 1):
                 try:
-                    resp = await self._async.get(query_path(chunk))
-                    locs = parse_batch_query(_body(resp), chunk)
+                    status, body = await self._async.get(query_path(chunk), self._timeout)
+                    if status != 200:
+                        raise ValueError(f"/batch_query_keys answered {status}")
+                    locs = parse_batch_query(body, chunk)
                     break
-                except (httpx.HTTPError, ValueError) as exc:
+                except (ConnectionError, OSError, TimeoutError, ValueError) as exc:
                     error = exc
                     self.stats.failures += 1
                 if attempt < self.config.retry_times:

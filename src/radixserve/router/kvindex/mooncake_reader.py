@@ -23,7 +23,11 @@ import time
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
-from radixserve.router.kvindex.mooncake_client import KvsMetadataConfig, MooncakeMetadataClient
+from radixserve.router.kvindex.mooncake_client import (
+    KvsMetadataConfig,
+    MasterHttp,
+    MooncakeMetadataClient,
+)
 from radixserve.router.kvindex.mooncake_meta import loadable_prefix, store_keys
 from radixserve.router.kvindex.tiers import KeysFor, TierSource
 
@@ -57,7 +61,9 @@ class MooncakeStoreReader(TierSource):
 
     name = "store"
 
-    def __init__(self, config: MooncakeIndexConfig) -> None:
+    def __init__(self, config: MooncakeIndexConfig, transport: MasterHttp | None = None) -> None:
+        """``transport``: how lookups reach the master (the router passes its own pooled
+        client; None: httpx)."""
         self.config = config
         self.client = MooncakeMetadataClient(
             KvsMetadataConfig(
@@ -66,7 +72,8 @@ class MooncakeStoreReader(TierSource):
                 config.retry_interval_ms,
                 config.down_duration_s,
                 config.timeout_ms,
-            )
+            ),
+            transport=transport,
         )
         self.workers: dict[Hashable, StoreWorker] = {}
         self.answer: dict[Hashable, int] | None = {}  # None: the master did not answer

@@ -10,8 +10,18 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from typing import Protocol
 
 KeysFor = Callable[[int], Sequence[int]]  # block size -> the request's block keys (block_index)
+
+
+class LowerHoldings(Protocol):
+    """What HostTier reads of an event index (block_index.BlockIndex has both)."""
+
+    def answering(self) -> bool: ...
+    def lower_tokens(
+        self, workers: Iterable[Hashable], keys_for: KeysFor
+    ) -> dict[Hashable, int]: ...
 
 
 class TierSource(ABC):
@@ -42,3 +52,21 @@ class FixedTier(TierSource):
         if self.tokens is None:
             return None
         return {w: self.tokens[w] for w in workers if self.tokens.get(w)}
+
+
+class HostTier(TierSource):
+    """The workers' own lower tiers as their KV events announce them (blocks stored with a
+    medium other than the device's, such as vLLM's "CPU" offload tier), read from the event
+    index: per worker, the leading prompt tokens it holds on device or there."""
+
+    name = "host"
+
+    def __init__(self, index: LowerHoldings) -> None:
+        self.index = index
+
+    def loadable_tokens(
+        self, workers: Iterable[Hashable], keys_for: KeysFor
+    ) -> dict[Hashable, int] | None:
+        if not self.index.answering():
+            return None
+        return self.index.lower_tokens(workers, keys_for)

@@ -43,8 +43,9 @@ Registered as `--policy kv_aware`; pure (no I/O, no clock)."""
 # (benchmarks/kv_aware_headroom.py). It needs per-worker holdings, which the in-memory index
 # has; an index that reports none (Redis, as the router reads it) leaves the score to decide.
 #
-# Lower tiers (issue 28). Tokens a worker can load rather than compute (from its host tier, or
-# from a KV store every worker reads: Mooncake Store, as its master's metadata says; TierSource)
+# Lower tiers (issue 28). Tokens a worker can load rather than compute (from its host tier, as
+# its KV events' `medium` announces it (HostTier), or from a KV store every worker reads:
+# Mooncake Store, as its master's metadata says; TierSource)
 # cost their load time in prefill tokens: loadable(w) - cached(w) tokens weigh the worker's
 # reported load-to-prefill ratio (WorkerView.kv_load_ratio: seconds to load a token over seconds
 # to prefill one, as the engine measures them). So the first term reads
@@ -69,7 +70,8 @@ Registered as `--policy kv_aware`; pure (no I/O, no clock)."""
 # Guards (prefill tokens alone do not see decode work, which piles up on the holder of a hot
 # prefix; without them one engine of eight took no request at all in a simulated chat run):
 #   - Prompts shorter than cache_aware_scheduling_min_tokens (Llumnix's flag) carry no prefix
-#     worth chasing: they go to the least loaded worker (requests, then pending prefill).
+#     worth chasing: they go to the least loaded worker (requests, then pending prefill, then
+#     the fewest sent lately: one at a time on an idle fleet they go round the workers).
 #   - A worker overloaded in sglang-router's sense (load - floor > balance_abs_threshold AND
 #     load > floor * balance_rel_threshold, in requests), or busier than the mean load by more
 #     than Poisson noise (mean + 2 * sqrt(mean) + 1), is skipped.
@@ -104,7 +106,7 @@ from radixserve.router.kvindex.block_index import (
     keys_by_size,
     leading_held,
 )
-from radixserve.router.kvindex.tiers import TierSource
+from radixserve.router.kvindex.tiers import HostTier, TierSource
 from radixserve.router.policies.base import RequestView, RouterPolicy, WorkerView, healthy_indices
 from radixserve.router.policies.config import CachePolicyConfig
 from radixserve.router.policies.shares import DispatchShares
@@ -165,7 +167,9 @@ class KvAwarePolicy(RouterPolicy):
     ) -> None:
         super().__init__(config, seed)
         self.index = index if index is not None else InMemoryIndex()
-        self.lower = tuple(lower)  # host tiers, KV stores: what workers can load, not compute
+        # what workers can load, not compute: their own host tiers (the index's lower media,
+        # from KV events), then KV stores every worker reads
+        self.lower = (HostTier(self.index), *lower)
         self.loaded_tokens = 0  # dispatched prompt tokens the pick was expected to load
         self.tree = MultiTenantTree(node_units=NODE_UNITS)  # the fallback's approximate view
         self._pending: dict[Hashable, dict[int, _Record]] = {}
@@ -187,7 +191,7 @@ class KvAwarePolicy(RouterPolicy):
         size = prompt_size(request)
         if size < self.config.cache_aware_scheduling_min_tokens:
             self._shares.observe([workers[i].id for i in eligible])
-            return min(eligible, key=lambda i: (workers[i].load, self.pending(workers[i])))
+            return min(eligible, key=lambda i: self._least_loaded(workers[i]))
         cached = self._cached(workers, healthy, request, size)
         self._matches = (request, cached)
         loadable = self.loadable_tokens(workers, healthy, request, size)
@@ -210,6 +214,12 @@ class KvAwarePolicy(RouterPolicy):
             return (work + PENDING_WEIGHT * self.pending(w), w.load, recent, self.rng.random())
 
         return self._spill(workers, eligible, min(eligible, key=score), keeps)
+
+    def _least_loaded(self, w: WorkerView) -> tuple[int, int, float]:
+        """Short prompts' order: requests in flight, queued prefill, then requests sent lately
+        (so that short prompts arriving one at a time on an idle fleet go round the workers
+        rather than all to the first one, as new prefixes do)."""
+        return w.load, self.pending(w), self._shares.count(w.id)
 
     def _block_size(self, worker: Hashable) -> int:
         """The block size `worker` caches in: its events', its in-flight prompts', or the

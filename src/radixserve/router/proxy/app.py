@@ -15,6 +15,7 @@ import random
 import time
 from bisect import bisect_left
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 from radixserve.router.policies.base import NoWorkerAvailable, RequestView
@@ -46,6 +47,14 @@ log = logging.getLogger("radixserve.router")
 
 RETRYABLE = frozenset({502, 503, 504})  # a 500 may be the request's own fault: not retried
 PARSE_INLINE = 1 << 20  # bodies above this are parsed in a thread, not on the event loop
+TOKENIZE_INLINE = 1024
+"""kv_aware: bodies up to this many bytes are tokenized on the event loop (a few hundred
+microseconds at most: less than handing them to a thread and back under load); longer ones in
+the tokenizing threads (--tokenize-workers)."""
+TOKENIZE_TIMEOUT_SECS = 5.0
+"""A prompt the tokenizing threads have not tokenized by then is routed without its token ids
+(kv_aware's approximate tree) and counted in kv_tokenize_timeouts_total: a stuck tokenizer
+delays a request this long at most, never for ever."""
 
 
 class Router(Endpoints):
@@ -66,6 +75,12 @@ class Router(Endpoints):
         subscribe = self.kvs is None or self.policy.index is not self.kvs
         store = self.kvs if self.kvs is not None and subscribe else None
         self.kv = KvRouting(self.policy, config.tokenizer, subscribe, store) if has_index else None
+        # kv_aware: long prompts are tokenized in these threads, never on the event loop
+        workers = config.tokenize_workers if self.kv is not None else 0
+        self._tokenizing = (
+            ThreadPoolExecutor(workers, thread_name_prefix="router-tokenize") if workers else None
+        )
+        self._timeout_said = float("-inf")
         self.registry.poll_loads = True  # _read_load asks each kind for its own load report
         self.registry.load_reader = self._read_load
         overrides = {check_url(u): src for u, src in config.kv_event_overrides().items()}
@@ -112,6 +127,8 @@ class Router(Endpoints):
         await self.registry.stop()
         if self.kvs is not None:
             await self.kvs.close()
+        if self._tokenizing is not None:
+            self._tokenizing.shutdown(wait=False, cancel_futures=True)
 
     def _worker_id(self, url: str) -> str | None:
         worker = self.registry.by_url(url)
@@ -160,7 +177,7 @@ class Router(Endpoints):
             (tokens, at) if tokens is not None else (None, float("-inf"))
         )
         # ours: what loading a token from a lower tier costs against prefilling one
-        worker.kv_load_ratio = None if load is None else load.kv_load_ratio
+        worker.kv_load_ratio = self.kinds.load_ratio(worker.id)
 
     async def _tick_loop(self) -> None:
         while True:
@@ -231,10 +248,7 @@ class Router(Endpoints):
         """Route, forward and relay one inference request, retrying elsewhere while nothing
         has reached the client yet and the failure is one worth retrying."""
         try:
-            if len(req.body) > PARSE_INLINE:  # big bodies are parsed (and tokenized) off the loop
-                view = await asyncio.to_thread(self._view, req.body)
-            else:
-                view = self._view(req.body)
+            view = await self._request_view(req.body)
         except (ValueError, TypeError, AttributeError) as exc:
             conn.send_json(400, error_body(400, f"request body is not a JSON object: {exc}"))
             return
@@ -262,11 +276,46 @@ class Router(Endpoints):
                 break
         self.fail(conn, tried, failure.status if tried else 503)
 
-    def _view(self, body: bytes) -> RequestView:
-        """The routing view of a request body; with kv_aware, the prompt's token ids too."""
+    async def _request_view(self, body: bytes) -> RequestView:
+        """The routing view of a request body; with kv_aware, the prompt's token ids too.
+        Long prompts are tokenized in the tokenizing threads while the loop serves other
+        requests (the tokenizer releases the GIL), big bodies parsed in a thread; a tokenizer
+        error or timeout leaves the view without token ids (the worker says what is wrong)."""
+        kv, pool = self.kv, self._tokenizing
+        if kv is not None and kv.tokenizer is not None and pool is not None:
+            if len(body) > TOKENIZE_INLINE:
+                job = asyncio.get_running_loop().run_in_executor(pool, self._parse, body, True)
+                try:
+                    view, failed = await asyncio.wait_for(job, TOKENIZE_TIMEOUT_SECS)
+                except TimeoutError:
+                    kv.tokenize_timeouts += 1
+                    if kv.tokenize_timeouts == 1 or time.monotonic() - self._timeout_said > 60:
+                        self._timeout_said = time.monotonic()  # said at most once a minute
+                        log.warning("tokenizing a prompt of %d bytes took over %.0f s (%d so "
+                                    "far): routed without its token ids", len(body),
+                                    TOKENIZE_TIMEOUT_SECS, kv.tokenize_timeouts)  # fmt: skip
+                    view, failed = await self._parsed(body, False)
+                kv.tokenize_errors += failed
+                return view
+        view, failed = await self._parsed(body, True)
+        if kv is not None:
+            kv.tokenize_errors += failed
+        return view
+
+    async def _parsed(self, body: bytes, tokenize: bool) -> tuple[RequestView, bool]:
+        """_parse on the loop, or in a thread for a big body."""
+        if len(body) > PARSE_INLINE:
+            return await asyncio.to_thread(self._parse, body, tokenize)
+        return self._parse(body, tokenize)
+
+    def _parse(self, body: bytes, tokenize: bool) -> tuple[RequestView, bool]:
+        """(the routing view of a request body, with kv_aware and `tokenize` the prompt's token
+        ids; whether the tokenizer failed). Changes no state: it runs in threads too."""
         payload = loads(body)
         view = request_view(payload)
-        return view if self.kv is None else self.kv.view(payload, view)
+        if self.kv is None or not tokenize:
+            return view, False
+        return self.kv.tokenized(payload, view)
 
     def _backoff(self, attempt: int) -> float:
         """Exponential backoff with up to 50% jitter on top, so that retries of many requests

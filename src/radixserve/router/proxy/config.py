@@ -6,6 +6,7 @@ each setting is declared once; their fields are flags under their own names."""
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -17,6 +18,10 @@ from radixserve.router.proxy.worker_shapes import (
     EventSource,
     parse_kv_events_flag,
 )
+
+TOKENIZE_WORKERS = max(1, min(4, (os.cpu_count() or 2) - 1))
+"""--tokenize-workers' default: tokenizing threads beyond the cores but one take CPU from the
+event loop (on 2 cores, 4 threads left the loop a fifth of the process's share)."""
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
@@ -148,6 +153,14 @@ class RouterConfig:
         None,
         "kv_aware: the workers' tokenizer (model dir or GGUF; default: what the workers report "
         "in /get_model_info)",
+    )
+    tokenize_workers: int = _f(
+        TOKENIZE_WORKERS,
+        "kv_aware: threads that tokenize long prompts off the event loop (HF tokenizers "
+        "releases the GIL while it encodes), so that no prompt stalls other requests; default: "
+        "one less than the CPUs, 1 to 4 (the event loop keeps a core); 0: on the event loop",
+        ge=0,
+        le=256,
     )
     api_key: str | None = _f(None, "bearer key required on inference endpoints")
     admin_api_key: str | None = _f(

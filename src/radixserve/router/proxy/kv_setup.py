@@ -78,14 +78,13 @@ def render_chat(tok: Tokenizer, prompt: Prompt) -> str | None:
     """A chat prompt as text, as vLLM renders it (through HF transformers' apply_chat_template):
     with ``continue_final_message`` the text ends right after the last message's content (no
     end of turn, no generation prompt), found by rendering it with a marker appended and
-    cutting there (trailing spaces too where the template trims the content). None where the
-    worker refuses the request (the last message has no text, or the template drops it)."""
+    cutting there (trailing spaces too where the template trims the content; an empty last
+    message leaves its turn's header open, as vLLM renders it). None where the worker refuses
+    the request (the template drops the last message)."""
     messages = prompt.messages or []
     if not prompt.continue_final_message:
         return tok.apply_chat_template(messages, prompt.add_generation_prompt)
     last = messages[-1]
-    if not last.get("content"):
-        return None
     marked = [*messages[:-1], {**last, "content": last["content"] + CONTINUE_TAG}]
     text = tok.apply_chat_template(marked, False)
     at = text.rfind(CONTINUE_TAG.strip())
@@ -116,6 +115,7 @@ class KvRouting:
         self.fingerprint: str | None = None
         self.refused: dict[str, str] = {}  # worker url -> why
         self.tokenize_errors = 0
+        self.tokenize_timeouts = 0  # prompts routed untokenized: the tokenizer took too long
         if tokenizer_path:
             self._adopt(load_tokenizer(tokenizer_path))
 
@@ -162,16 +162,21 @@ class KvRouting:
     async def stop(self) -> None:
         await self.plane.stop()
 
-    def view(self, payload: dict[str, Any], view: RequestView) -> RequestView:
-        """`view` with the prompt's token ids, when the router can tokenize it."""
-        if self.tokenizer is None or view.token_ids is not None:
-            return view
+    def tokenized(self, payload: dict[str, Any], view: RequestView) -> tuple[RequestView, bool]:
+        """(`view` with the prompt's token ids when the router can tokenize it, whether the
+        tokenizer failed). Changes no state: the proxy calls it from its tokenizing threads."""
+        tok = self.tokenizer
+        if tok is None or view.token_ids is not None:
+            return view, False
         try:
-            ids = prompt_ids(payload, self.tokenizer)
+            ids = prompt_ids(payload, tok)
         except Exception:  # a template error, an odd body: the worker will say what is wrong
-            self.tokenize_errors += 1
-            return view
-        return view if ids is None else dataclasses.replace(view, token_ids=ids)
+            return view, True
+        except BaseException as exc:  # a panic in the tokenizer's Rust code (pyo3's
+            if type(exc).__name__ != "PanicException":  # PanicException) is no Exception
+                raise
+            return view, True
+        return (view, False) if ids is None else (dataclasses.replace(view, token_ids=ids), False)
 
     def metric_families(self) -> list[tuple[str, str, dict[str, object]]]:
         """(name, kind, {worker id: value}) for the proxy's /metrics."""
@@ -192,6 +197,7 @@ class KvRouting:
         ):
             families.append((f"kv_events_{name}_total", "counter", dict(stats[name])))
         families.append(("kv_tokenize_errors_total", "counter", {"": self.tokenize_errors}))
+        families.append(("kv_tokenize_timeouts_total", "counter", {"": self.tokenize_timeouts}))
         # prompt tokens dispatched, and those the chosen worker held: the router's expectation
         families.append(("kv_prompt_tokens_total", "counter", {"": self.policy.prompt_tokens}))
         families.append(
@@ -259,6 +265,7 @@ def hash_seed() -> int:
 
 def open_mooncake(config: RouterConfig) -> tuple[MooncakeStoreReader, KvAwarePolicy]:
     from radixserve.router.kvindex.mooncake_reader import MooncakeIndexConfig, MooncakeStoreReader
+    from radixserve.router.proxy.kvs_transport import PooledMaster
 
     mc = MooncakeIndexConfig(
         config.mooncake_address,
@@ -272,5 +279,5 @@ def open_mooncake(config: RouterConfig) -> tuple[MooncakeStoreReader, KvAwarePol
         config.kvs_timeout_ms,
         config.cache_policy.cache_aware_scheduling_min_tokens,
     )
-    reader = MooncakeStoreReader(mc)
+    reader = MooncakeStoreReader(mc, PooledMaster(mc.address, mc.timeout_ms / 1000))
     return reader, KvAwarePolicy(config.cache_policy, lower=(reader,))

@@ -27,6 +27,7 @@ from radixserve.router.proxy.worker_shapes import (
     parse_prometheus,
     radixserve_event_sources,
     radixserve_load,
+    server_load_ratio,
     sglang_event_sources,
     sglang_load,
     sglang_metrics_load,
@@ -54,6 +55,7 @@ class KindState:
     events_why: str = "not looked up yet"  # why its events are not followed ("" if they are)
     load: WorkerLoad | None = None
     load_at: float = float("-inf")
+    load_ratio: float | None = None  # ours: kv_load_to_prefill_ratio from /get_server_info
     unknown_until: float = float("-inf")  # answered, but as no kind known: ask again after
     said: set[str] = field(default_factory=set)
 
@@ -215,11 +217,21 @@ class WorkerKinds:
                     own = json_of(await get("/get_server_info"))
                     if isinstance(own, dict) and "kv_store" in own:
                         out["kv_store"] = own["kv_store"]
+                    self.state(worker_id).load_ratio = server_load_ratio(own)
                 return out
             obj = json_of(await get(path))
             return obj if isinstance(obj, dict) else None
 
         return fetch
+
+    def load_ratio(self, worker_id: str) -> float | None:
+        """What loading a token's KV costs the worker against prefilling it: its last load
+        report's, else its server info's (None: it says nothing)."""
+        state = self.states.get(worker_id)
+        if state is None:
+            return None
+        reported = state.load.kv_load_ratio if state.load is not None else None
+        return reported if reported is not None else state.load_ratio
 
     def reported(self, worker_id: str) -> WorkerLoad | None:
         """The load the worker last reported (None: it does not report one)."""

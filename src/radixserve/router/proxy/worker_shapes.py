@@ -290,6 +290,20 @@ def radixserve_load(obj: Any) -> WorkerLoad | None:
     return None if load == WorkerLoad() else load
 
 
+def server_load_ratio(info: Any) -> float | None:
+    """The load-to-prefill ratio our /get_server_info reports (``kv_load_to_prefill_ratio``,
+    at the top or in its ``engine`` facts): seconds to load a token's KV from the host into
+    the device pool over seconds to prefill one, as the engine measured at start-up. None
+    where it says none (a simulated engine, another kind): kv_aware charges its default."""
+    if not isinstance(info, dict):
+        return None
+    ratio = info.get("kv_load_to_prefill_ratio")
+    engine = info.get("engine")
+    if ratio is None and isinstance(engine, dict):
+        ratio = engine.get("kv_load_to_prefill_ratio")
+    return float(ratio) if _num(ratio) and ratio >= 0 else None
+
+
 def _int(v: Any) -> bool:
     return type(v) is int and v >= 0
 

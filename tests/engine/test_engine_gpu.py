@@ -1,0 +1,82 @@
+"""The engine on a CUDA GPU (skipped without one, as CI has none): the built-in SmolLM2 served
+from the GPU computes what the CPU computes, ``--dtype auto`` picks bfloat16 there, and the host
+tier (pinned host memory beside a GPU pool) gives back what the device computed."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from radixserve import Engine  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+rng = random.Random(5)
+SHARED = [rng.randrange(100, 40000) for _ in range(600)]
+PROMPTS = [SHARED + [rng.randrange(100, 40000) for _ in range(20)] for _ in range(3)]
+SP = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True, "return_logprob": True}
+
+
+def serve_all(engine: Engine, prompts: list[list[int]]) -> list[dict]:
+    return [engine.generate(input_ids=p, sampling_params=SP) for p in prompts]
+
+
+def logprobs(out: dict) -> list[float]:
+    return [t[0] for t in out["meta_info"]["output_token_logprobs"]]
+
+
+def test_builtin_model_on_cuda_matches_cpu() -> None:
+    """float32 on both: same greedy tokens (the prompts have no near-ties in 12 steps) and the
+    same logprobs within 2e-3 (GPU kernels sum in another order); the shared prefix is reused."""
+    outs = {}
+    for device in ("cpu", "cuda"):
+        engine = Engine(device=device, dtype="float32", context_length=1024)
+        try:
+            outs[device] = serve_all(engine, PROMPTS)
+        finally:
+            engine.shutdown()
+    for cpu, gpu in zip(outs["cpu"], outs["cuda"], strict=True):
+        assert gpu["output_ids"] == cpu["output_ids"]
+        assert logprobs(gpu) == pytest.approx(logprobs(cpu), abs=2e-3)
+    assert all(o["meta_info"]["cached_tokens"] >= 512 for o in outs["cuda"][1:])
+
+
+def test_dtype_auto_is_bfloat16_on_cuda() -> None:
+    from radixserve.config import ModelConfig
+    from radixserve.model.runner import TorchRunner
+
+    runner = TorchRunner(ModelConfig(device="cuda", dtype="auto"), num_slots=256)
+    assert runner.dtype == torch.bfloat16 and runner.kv_dtype == torch.bfloat16
+    engine = Engine(device="cuda", dtype="auto", context_length=1024)
+    try:
+        outs = serve_all(engine, PROMPTS[:2])
+    finally:
+        engine.shutdown()
+    assert all(len(o["output_ids"]) == SP["max_new_tokens"] for o in outs)
+
+
+def test_host_tier_beside_a_gpu_pool_gives_back_the_prefix() -> None:
+    """A device pool of 1,024 tokens, three other 700-token prompts between: the first prompt's
+    KV leaves the GPU for pinned host memory and comes back for a later request sharing it, whose
+    greedy output and logprobs equal recomputation after a flush."""
+    later = SHARED + [7, 8, 9]
+    others = [[rng.randrange(100, 40000) for _ in range(700)] for _ in range(3)]
+    engine = Engine(device="cuda", dtype="float32", context_length=1024, max_total_tokens=1024,
+                    enable_hierarchical_cache=True, hicache_ratio=4.0)  # fmt: skip
+    try:
+        serve_all(engine, [PROMPTS[0], *others])
+        out = engine.generate(input_ids=later, sampling_params=SP)
+        assert engine.flush_cache()
+        again = engine.generate(input_ids=later, sampling_params=SP)
+    finally:
+        engine.shutdown()
+    assert out["meta_info"]["cached_tokens_details"]["host"] >= 512
+    assert again["meta_info"]["cached_tokens"] == 0
+    assert out["output_ids"] == again["output_ids"]
+    assert logprobs(out) == pytest.approx(logprobs(again), abs=1e-4)
