@@ -11,6 +11,11 @@ fast the master says where keys live.
    (bytes objects) and batch_put_from / batch_get_into (registered buffer, zero copy, the API
    the backend is built on). Rounds alternate between the paths, each path leading in turn;
    medians; fresh keys (64 hex digits, as sha256 page keys) for every put (write-once values). Goal: backend <= 1.2x the raw time.
+   Pages of 64 KiB, 360 KiB (a 16-token bfloat16 SmolLM2 page) and 11.25 MiB (what the engine
+   stores for the built-in model on a CPU: a 256-token chunk in float32; 4 per call). Wall time
+   and this process's CPU time (Mooncake's transfer threads run in it) per call; then the
+   backend's own work per call measured in process without Mooncake (framing over the raw path's
+   copy; header check + copy out), the floor of its overhead on a quiet machine.
 2. /batch_query_keys answer time for 8 / 32 / 128 keys (all present), through the metadata
    client (httpx, keep-alive), against the master's /health on the same connection (the HTTP
    round-trip floor); p50 and p99.
@@ -32,12 +37,15 @@ from _machine import machine_line
 from mooncake_harness import MooncakeCluster, backend_ports, pin_this_process
 from radixserve.cache.hashing import block_hashes
 from radixserve.kvstore.backends import create_backend
-from radixserve.kvstore.storage import PageFormat
+from radixserve.kvstore.storage import HEADER, PageFormat, StorageBackend
 from radixserve.router.kvindex.mooncake_client import KvsMetadataConfig, MooncakeMetadataClient
 from radixserve.router.kvindex.mooncake_meta import present_prefix
 
 # SmolLM2-135M's KV for one 16-token page: 30 layers x (K, V) x 3 KV heads x 64 dims x 2 bytes
 SMOLLM2_PAGE = 30 * 2 * 3 * 64 * 16 * 2
+# what `serve --hicache-storage-backend` stores for the built-in model on a CPU: one chunk of
+# 256 tokens (the default chunk_size), float32
+ENGINE_PAGE = 30 * 2 * 3 * 64 * 256 * 4
 _serial = [0]
 
 
@@ -80,6 +88,58 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def cpu_timed(fn) -> tuple[float, float]:
+    """(wall, this process's CPU) seconds of one call: Mooncake's transfer threads run in this
+    process, so CPU time counts the work each path does, whatever the neighbours' load."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
+def framing_floor(fmt: PageFormat, pages: list[bytes], reps: int = 20) -> tuple[float, float]:
+    """Median ms of the backend's own work per call, in process, no Mooncake: framing ``pages``
+    into a staging buffer (header, key digest, checksum, copy) against the bare copy the raw
+    batch_put_from path also makes; and checking + copying them out (get) against nothing."""
+    size, page = fmt.value_nbytes, fmt.page_nbytes
+    staging = bytearray(len(pages) * size)
+    view = memoryview(staging)
+    keys = fresh_keys(len(pages))
+    outs = [bytearray(page) for _ in pages]
+    backend_like = _Checker(fmt)
+
+    def frame() -> None:
+        for i, (key, p) in enumerate(zip(keys, pages)):
+            fmt.frame_into(view[i * size : (i + 1) * size], key, p)
+
+    def copy() -> None:
+        for i, p in enumerate(pages):
+            staging[i * size + HEADER.size : (i + 1) * size] = p
+
+    def check() -> None:
+        for i, (key, out) in enumerate(zip(keys, outs)):
+            assert backend_like._accept(key, view[i * size : (i + 1) * size], out)
+
+    frame()
+    med = {}
+    for name, fn in (("frame", frame), ("copy", copy), ("check", check)):
+        med[name] = statistics.median(timed(fn) for _ in range(reps)) * 1e3
+        frame()  # check() reads valid frames
+    return med["frame"] - med["copy"], med["check"]
+
+
+class _Checker(StorageBackend):
+    """The base class's value check + copy out (`_accept`), the per-page work of get_pages."""
+
+    def exists_prefix(self, keys):  # pragma: no cover - unused
+        return 0
+
+    def get_pages(self, keys, buffers):  # pragma: no cover - unused
+        return 0
+
+    def put_pages(self, keys, pages):  # pragma: no cover - unused
+        return 0
+
+
 def bench_throughput(cluster: MooncakeCluster, page: int, batch: int, rounds: int) -> None:
     fmt = PageFormat("rkv1-smollm2-135m-bf16-p16", page)
     cfg = {"master_server_address": cluster.master_rpc, **backend_ports(pin_this_process()),
@@ -108,20 +168,27 @@ def bench_throughput(cluster: MooncakeCluster, page: int, batch: int, rounds: in
             if name.startswith("put"):
                 keys = fresh_keys(batch)  # hashing outside the timed call
                 fn = _bind_keys(name, backend, raw, keys, pages, page)
-            times.setdefault(name, []).append(timed(fn))
+            times.setdefault(name, []).append(cpu_timed(fn))
     assert backend.get_pages(read_keys["backend"], bufs) == batch and bufs[3] == pages[3]
     nbytes = batch * page
     print(f"\npage {page:,} B x {batch} pages per call ({nbytes / 1e6:.1f} MB), {rounds} rounds")
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = {k: statistics.median(w for w, _ in v) for k, v in times.items()}
+    cpu = {k: statistics.median(c for _, c in v) for k, v in times.items()}
     for name, t in med.items():
-        print(f"  {name:24s} {nbytes / t / 1e9:6.3f} GB/s  ({t * 1e3:7.2f} ms per call)")
+        print(f"  {name:24s} {nbytes / t / 1e9:6.3f} GB/s  ({t * 1e3:7.2f} ms per call, "
+              f"{cpu[name] * 1e3:7.2f} ms CPU)")  # fmt: skip
     for op in ("put", "get"):
         into = "batch_put_from" if op == "put" else "batch_get_into"
         plain = "put_batch" if op == "put" else "get_batch"
-        print(
-            f"  {op}: backend / raw {into} = {med[f'{op} backend'] / med[f'{op} raw {into}']:.2f}x"
-            f", backend / raw {plain} = {med[f'{op} backend'] / med[f'{op} raw {plain}']:.2f}x"
-        )
+        for what, m in (("wall", med), ("CPU ", cpu)):
+            print(f"  {op} {what}: backend / raw {into} = "
+                  f"{m[f'{op} backend'] / m[f'{op} raw {into}']:.2f}x, backend / raw {plain} = "
+                  f"{m[f'{op} backend'] / m[f'{op} raw {plain}']:.2f}x")  # fmt: skip
+    frame_ms, check_ms = framing_floor(fmt, pages)
+    print(f"  the backend's own work per call, in process: framing {frame_ms:.2f} ms over the "
+          f"raw path's copy, check + copy out {check_ms:.2f} ms (raw batch_put_from "
+          f"{med['put raw batch_put_from'] * 1e3:.2f} ms, batch_get_into "
+          f"{med['get raw batch_get_into'] * 1e3:.2f} ms per call here)")  # fmt: skip
     backend.close()
 
 
@@ -171,13 +238,14 @@ def main() -> None:
     rounds = 3 if args.quick else args.rounds
     reps = 100 if args.quick else args.queries
     print(machine_line())
-    cluster = MooncakeCluster(segment_bytes=1 << 30)
+    cluster = MooncakeCluster(segment_bytes=2 << 30)
     try:
         print("Mooncake Store: mooncake-transfer-engine-non-cuda 0.3.13.post1, TCP over loopback, "
-              "1 GiB store segment; client mounts none")  # fmt: skip
+              "2 GiB store segment; client mounts none")  # fmt: skip
         parts = set(args.only.split(","))
-        for page in (64 << 10, SMOLLM2_PAGE) if "throughput" in parts else ():
-            bench_throughput(cluster, page, args.batch, rounds)
+        for page, batch in ((64 << 10, args.batch), (SMOLLM2_PAGE, args.batch),
+                            (ENGINE_PAGE, 4)) if "throughput" in parts else ():  # fmt: skip
+            bench_throughput(cluster, page, batch, rounds)
         if "query" in parts:
             bench_query(cluster, reps)
     finally:
