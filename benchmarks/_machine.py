@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
 
 
 def machine_line() -> str:
@@ -18,3 +19,15 @@ def machine_line() -> str:
         f"machine: {platform.system()} {platform.machine()}, {os.cpu_count()} cpus ({cpu}), "
         f"python {platform.python_version()}"
     )
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """SIGTERM ``proc`` if it still runs, SIGKILL it after ``grace_s``, and reap it."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from _machine import machine_line
+from _machine import machine_line, stop_process
 from mooncake_harness import MooncakeCluster, backend_ports
 from radixserve.router.proxy.worker_shapes import parse_prometheus
 from radixserve.router.proxy.workers import ConnectionPool
@@ -67,12 +67,7 @@ class Router:
         return {k.removeprefix("radixserve_router_"): v for k, v in values.items()}
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc)
 
 
 def prompt(i: int, seed: int) -> list[int]:

@@ -31,7 +31,7 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-from _machine import machine_line
+from _machine import machine_line, stop_process
 from radixserve.router.proxy.workers import ConnectionPool
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,12 +94,7 @@ class RouterProc:
         return [sys.executable, "-m", module, *common, *metrics, "--log-level", "warn"]
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc)
 
 
 async def wait_ready(url: str, path: str, timeout: float = 60.0) -> None:

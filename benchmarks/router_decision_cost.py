@@ -34,7 +34,7 @@ import sys
 import time
 from collections import Counter
 
-from _machine import machine_line
+from _machine import machine_line, stop_process
 from radixserve.router.proxy.config import TOKENIZE_WORKERS
 from radixserve.router.proxy.workers import ConnectionPool
 from router_bench import cpu_secs, free_port, run, start_workers, wait_ready
@@ -78,12 +78,7 @@ class Router:
         return 0.0
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc)
 
 
 def prompt(rng: random.Random, i: int, chars: int) -> str:
