@@ -401,7 +401,7 @@ class CpuPrefix(TorchGather):
     ) -> torch.Tensor:  # fmt: skip
         outs = []
         if plan.decode is not None:
-            outs.append(_attend_decode_shared(q[: plan.decode.size], plan.decode, kv, layer))
+            outs.append(self._attend_decodes(q, k, v, plan.decode, kv, layer))
         if plan.span_prefixes:
             outs.append(_attend_spans_shared(q, k, v, plan, kv, layer))
         else:
@@ -409,6 +409,12 @@ class CpuPrefix(TorchGather):
                 outs.append(_attend_span(q, k, v, span, kv, layer, gqa=self.gqa))
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return out.reshape(q.shape[0], -1)
+
+    def _attend_decodes(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: DecodeGroup, kv: KVPool,
+        layer: int,
+    ) -> torch.Tensor:  # fmt: skip
+        return _attend_decode_shared(q[: group.size], group, kv, layer)
 
 
 class CpuContig(CpuPrefix):
@@ -444,21 +450,12 @@ class CpuContig(CpuPrefix):
                 )
         return plan
 
-    def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: StepPlan, kv: KVPool,
+    def _attend_decodes(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: DecodeGroup, kv: KVPool,
         layer: int,
     ) -> torch.Tensor:  # fmt: skip
-        outs = []
-        if plan.decode is not None:
-            b = plan.decode.size
-            outs.append(_attend_decode_tails(q[:b], k[:b], v[:b], plan.decode, kv, layer))
-        if plan.span_prefixes:
-            outs.append(_attend_spans_shared(q, k, v, plan, kv, layer))
-        else:
-            for span in plan.spans:
-                outs.append(_attend_span(q, k, v, span, kv, layer, gqa=True))
-        out = outs[0] if len(outs) == 1 else torch.cat(outs)
-        return out.reshape(q.shape[0], -1)
+        b = group.size
+        return _attend_decode_tails(q[:b], k[:b], v[:b], group, kv, layer)
 
 
 class TailBuffers:
