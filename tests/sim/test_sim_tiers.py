@@ -10,7 +10,7 @@ import random
 import pytest
 
 from radixserve.cli import main
-from radixserve.config import CacheConfig
+from radixserve.config import CacheConfig, SchedulerConfig
 from radixserve.sim.cluster import ClusterConfig, ClusterSim
 from radixserve.sim.costmodel import get_cost_model
 from radixserve.sim.report import SimResult
@@ -173,12 +173,12 @@ def test_split_by_tier() -> None:
 def test_kv_aware_scores_the_store_and_engines_report_their_ratio() -> None:
     tiers = SimTierConfig(kv_store_gb=1.0)
     sim, _ = run(two_of_one_prompt(), tiers=tiers, router="kv_aware")
-    assert sim.policy.lower and sim.engines[0].ratio == pytest.approx(
+    assert sim._store_source in sim.policy.lower and sim.engines[0].ratio == pytest.approx(
         COST.load_to_prefill_ratio(sim.tier_spec)
     )
     off, _ = run(two_of_one_prompt(), tiers=SimTierConfig(kv_store_gb=1.0, tier_aware=False),
                  router="kv_aware")  # fmt: skip
-    assert not off.policy.lower
+    assert off._store_source not in off.policy.lower  # (the host tier kv_aware always reads)
 
 
 def test_cli_reports_hits_and_ttft_by_tier(capsys: pytest.CaptureFixture[str]) -> None:
@@ -212,3 +212,32 @@ def test_bad_tier_flags_are_one_line_errors(
         code = e.code
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and says in err[0] and flag in err[0]
+
+
+def test_a_prefix_evicted_while_waiting_is_loaded_from_the_store_at_admission() -> None:
+    """Turn two's history is on its engine when it arrives (nothing to fetch then), but two
+    long requests ahead of it in the queue take the pool and evict it while it waits: at
+    admission the engine looks the store up again and loads it instead of recomputing."""
+    rng = random.Random(2)
+    hist = rng.choices(range(1, 30_000), k=PROMPT)
+    fillers = [rng.choices(range(1, 30_000), k=PROMPT) for _ in range(2)]
+    reqs = [
+        WorkloadRequest("turn1", 0.0, hist, 4),
+        *(WorkloadRequest(f"f{i}", 1.0, ids, 200) for i, ids in enumerate(fillers)),
+        WorkloadRequest("turn2", 1.0, hist + rng.choices(range(1, 30_000), k=100), 4),
+    ]
+    cfg = ClusterConfig(
+        engines=1, preset=PRESET, router="round_robin",
+        tiers=SimTierConfig(kv_store_gb=store_gb(100_000)),
+    )  # fmt: skip
+    sim = ClusterSim(
+        cfg, SchedulerConfig(schedule_policy="fcfs"), CacheConfig(max_total_tokens=5000)
+    )
+    res = sim.run(reqs)
+    sim.check_integrity()
+    assert res.num_unfinished == 0 == res.num_rejected
+    assert sim.refetched == 1  # turn two, at admission (not at dispatch: no landing then)
+    assert res.tier_tokens == {"device": 0, "host": 0, "store": PROMPT}
+    assert res.cached_tokens == PROMPT  # without the refetch: 0, all recomputed
+    assert len(res.tier_ttft["store"]) == 1 and len(res.tier_ttft["miss"]) == 3
+    assert sim.store is not None and sim.store.read == PROMPT // 16

@@ -13,8 +13,10 @@ SimRunner) behind one router policy, on a virtual clock. Owns the event loop and
 # Lower tiers (sim/tiers.py): with --enable-hierarchical-cache each engine's scheduler keeps its
 # real host tier; with --kv-store-gb a fleet-wide store holds every engine's blocks, and a
 # request whose prompt the store holds beyond its engine's device and host match waits for
-# that load (a _LAND event) before joining the engine's queue. kv_aware reads the store's
-# holdings as a lower tier (its tier-aware score) and each engine's load-to-prefill ratio.
+# that load (a _LAND event) before joining the engine's queue; at admission the store is looked
+# up again (a prefix evicted from device and host while its request waited is loaded before the
+# step that admits it, the step waiting for it). kv_aware reads the store's holdings as a lower
+# tier (its tier-aware score) and each engine's load-to-prefill ratio.
 
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ from radixserve.router.policies.config import CachePolicyConfig
 from radixserve.router.policies.kv_aware import KvAwarePolicy
 from radixserve.router.policies.registry import create_policy, policy_names
 from radixserve.sched.batch import Batch, StepResult
+from radixserve.sched.policy import PassContext
 from radixserve.sched.request import Req, SamplingParams
 from radixserve.sched.scheduler import Scheduler
 from radixserve.sched.validate import check_request
@@ -201,6 +204,7 @@ class ClusterSim:
         self._landings: dict[str, Landing] = {}  # requests that loaded from the store or host
         self._loading: dict[int, tuple[str, int]] = {}  # _LAND payload -> (rid, store tokens)
         self.run_counts = {"runs": 0, "steps": 0, "cuts": 0}  # how the fast path was used
+        self.refetched = 0  # store loads made at admission (prefix evicted while it waited)
 
     def _clock(self) -> float:
         return self.now
@@ -260,6 +264,7 @@ class ClusterSim:
                 store_blocks_written=st.written,
                 store_blocks_read=st.read,
                 store_blocks_evicted=st.evicted,
+                store_loads_at_admission=self.refetched,
                 load_to_prefill_ratio=self.engines[0].ratio,
                 tier_aware_router=isinstance(self.policy, KvAwarePolicy)
                 and bool(self.policy.lower),
@@ -396,23 +401,67 @@ class ClusterSim:
         eng.landed.clear()
 
     def _apply_load(self, eng: _Engine, rid: str, held: int) -> None:
-        """The landed pages join the engine's tree below the device match (host pages on the
-        way revived), and the request joins the queue."""
+        """The landed pages join the engine's tree, and the request joins the queue."""
         req = self._live[rid][0]
+        self._load_prefix(eng, req, held)
+        eng.sched.add_request(req)
+
+    def _load_prefix(self, eng: _Engine, req: Req, held: int) -> bool:
+        """Put ``req``'s first ``held`` tokens, read from the store, in ``eng``'s tree below its
+        device match (host pages on the way revived); False: no room (nothing loaded)."""
         store = self.store
         assert store is not None
         m, host = self._matched(eng, req.input_ids, held)
         n = held - m.length
+        if n <= 0:
+            return False
         kv, cache = eng.sched.kv, eng.sched.cache
-        if n > 0:
-            cache.lock(m.last_node)  # eviction below must not take the prefix it continues
-            if kv.ensure_free(n):
-                slots = m.slots + kv.allocator.alloc(n)
-                cache.insert(req.input_ids[:held], slots)
-                store.read_blocks(self._store_keys[rid][: held // store.block])
-                self._landings[rid] = Landing(m.length, host, n - host)
-            cache.unlock(m.last_node)
-        eng.sched.add_request(req)
+        cache.lock(m.last_node)  # eviction below must not take the prefix it continues
+        loaded = kv.ensure_free(n)
+        if loaded:
+            slots = m.slots + kv.allocator.alloc(n)
+            cache.insert(req.input_ids[:held], slots)
+            store.read_blocks(self._store_keys[req.rid][: held // store.block])
+            self._landings[req.rid] = Landing(m.length, host, n - host)
+        cache.unlock(m.last_node)
+        return loaded
+
+    def _refetch(self, eng: _Engine) -> float:
+        """Admission looks the store up again: the fresh requests the coming step may admit
+        (the waiting queue in its order, up to a step's prefill budget) whose prefix the store
+        holds beyond ``eng``'s device and host match now (evicted while they waited) get it
+        loaded before the step, one get each on ``eng``'s link. Returns when the last lands
+        plus its host -> device copy (``now``: nothing loaded); the step waits for it."""
+        store, sched = self.store, eng.sched
+        assert store is not None
+        budget = self.sched_config.max_prefill_tokens
+        fresh: list[Req] = []
+        for req in sched.policy.order(PassContext(sched.running.keys)):
+            if budget <= 0:
+                break
+            budget -= req.fill_len - req.match_len  # as the pass will see it, give or take
+            if req.first_scheduled_time is None:  # a retracted one had its prefix in its cache
+                fresh.append(req)
+        picks: list[tuple[Req, int]] = []
+        b = store.block
+        for req in fresh:  # after the pass: a match may split the tree the order reads
+            ids = req.input_ids
+            keys = self._store_keys.get(req.rid)
+            held = min(store.leading(keys), (len(ids) - 1) // b) * b if keys else 0
+            if held > req.match_len:
+                picks.append((req, held))
+        ready = self.now
+        for req, held in picks:  # after the pass: a load changes the tree the order reads
+            m, host = self._matched(eng, req.input_ids, held)
+            below = held - m.length - host
+            if below <= 0 or not self._load_prefix(eng, req, held):
+                continue
+            start = max(self.now, eng.link_free)
+            eng.link_free = start + self.cost.store_load_time(below, self.tier_spec)
+            up = eng.link_free + self.cost.host_load_time(held - m.length, self.tier_spec)
+            ready = max(ready, up)
+            self.refetched += 1
+        return ready
 
     def _write_store(self, rid: str, ids: list[int], output: list[int] | None = None) -> None:
         """Write a request's computed blocks: its prompt; with ``output``, its reply too (the
@@ -444,6 +493,7 @@ class ClusterSim:
             if steps > 1:
                 self._start_run(eng, steps)
                 return
+        ready = self._refetch(eng) if self.store is not None and eng.sched.num_waiting else 0.0
         batch = eng.sched.step()
         if batch is None:
             eng.awake = False
@@ -451,6 +501,9 @@ class ClusterSim:
         result = eng.runner.run(batch)
         eng.batch, eng.result = batch, result
         duration = result.duration or 0.0
+        if ready > self.now:  # the step's forward starts once its refetched prefixes are in
+            duration += ready - self.now
+            result.duration = duration
         load = eng.load
         load.busy_s += duration
         load.steps += 1

@@ -16,6 +16,9 @@ The host tier itself is the engines' own (the real scheduler's HiCache tier, ena
 #           the host -> device copy of everything below the device match); the request joins
 #           the engine's queue when it lands, with those pages in the engine's tree. The wait
 #           is in its TTFT; a request waiting for its load never holds up the others.
+#           Admission looks again: a waiting request the next step may admit whose prefix was
+#           evicted from device and host meanwhile (a small pool, a long queue) gets the
+#           store's blocks loaded the same way before that step, which waits for them.
 #   miss    the rest is computed.
 # The store is written through: a request's prompt blocks once its prefill is done, its whole
 # sequence (chat history) once it finishes; writes are off the critical path (no time charged).
