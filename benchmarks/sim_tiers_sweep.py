@@ -33,31 +33,20 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from _machine import machine_line  # noqa: E402
+from kv_aware_sweep import CHAT, FRACTIONS, PRESET, TRACE  # noqa: E402
 from radixserve.config import CacheConfig  # noqa: E402
 from radixserve.sim.cluster import ClusterConfig, simulate  # noqa: E402
 from radixserve.sim.costmodel import get_cost_model  # noqa: E402
 from radixserve.sim.runner import SimRunner  # noqa: E402
 from radixserve.sim.tiers import SimStore, SimTierConfig, gb_for_tokens  # noqa: E402
 from radixserve.sim.workloads import (  # noqa: E402
-    MultiTurnConfig,
     TraceConfig,
     ideal_prefix_hit_rate,
     multi_turn_chat,
     trace_replay,
 )
 
-PRESET = "llama3-8b-h100"
-TRACE = Path(__file__).resolve().parents[1] / "traces" / "mooncake_synthetic_trace.jsonl"
-CHAT = MultiTurnConfig(
-    num_sessions=512,
-    turns=6,
-    system_prompt_len=1024,
-    user_len=256,
-    output_len=128,
-    think_time_s=3.0,
-    request_rate=16.0,
-)
-FRACTIONS = (1.0, 0.5, 0.25, 0.1, 0.05)
+# the workloads, the preset and the pool fractions of the kv_aware sweep, so the two compare
 STORE_FRACTIONS = (1.0, 0.5, 0.2, 0.1)
 BLOCK = 16  # store block tokens (the sim's default)
 
