@@ -5,6 +5,8 @@ tier (pinned host memory beside a GPU pool) gives back what the device computed.
 from __future__ import annotations
 
 import random
+import shutil
+import time
 
 import pytest
 
@@ -80,3 +82,42 @@ def test_host_tier_beside_a_gpu_pool_gives_back_the_prefix() -> None:
     assert again["meta_info"]["cached_tokens"] == 0
     assert out["output_ids"] == again["output_ids"]
     assert logprobs(out) == pytest.approx(logprobs(again), abs=1e-4)
+
+
+def test_storage_tier_between_two_gpu_engines(tmp_path) -> None:
+    """The storage tier's device side on a GPU (pages gathered from a CUDA pool, written by one
+    engine; landed in pinned host memory and copied up by another): engine B's output equals
+    engine A's and its logprobs its own recomputation's within 1e-4 (tiny random-weight model)."""
+    import json
+
+    from tiny_models import build_tiny_model
+
+    model = build_tiny_model("llama3", tmp_path)
+    store = tmp_path / "kv"
+    prompt = [rng.randrange(4, 300) for _ in range(100)]
+    extra = json.dumps({"path": str(store), "chunk_size": 16})
+    kw = dict(model=str(model), device="cuda", dtype="float32", max_total_tokens=512,
+              context_length=256, enable_hierarchical_cache=True,
+              hicache_storage_backend="file", hicache_storage_backend_extra_config=extra,
+              hicache_storage_prefetch_policy="wait_complete")  # fmt: skip
+    a = Engine(**kw)
+    try:
+        out_a = a.generate(input_ids=prompt, sampling_params=SP)
+        for _ in range(600):
+            if a.stats()["storage_pages_written"] >= 6:
+                break
+            time.sleep(0.05)
+    finally:
+        a.shutdown()
+    b = Engine(**kw)
+    try:
+        got = b.generate(input_ids=prompt, sampling_params=SP)
+        assert b.flush_cache()
+        shutil.rmtree(store)
+        again = b.generate(input_ids=prompt, sampling_params=SP)
+    finally:
+        b.shutdown()
+    assert got["meta_info"]["cached_tokens_details"]["storage"] == 96
+    assert again["meta_info"]["cached_tokens"] == 0
+    assert got["output_ids"] == out_a["output_ids"] == again["output_ids"]
+    assert logprobs(got) == pytest.approx(logprobs(again), abs=1e-4)
