@@ -2,7 +2,7 @@
 working set exceeds two engines' device pools but fits their host tiers + Mooncake Store, on two
 real `radixserve serve` engines behind `radixserve route --policy kv_aware`, tiers off vs on.
 
-    python benchmarks/kv_tiered_workload.py                      # 8 groups x 5 prompts, ~10 min
+    python benchmarks/kv_tiered_workload.py                      # 8 groups x 5 prompts, 5-8 min on 2 busy cores
     python benchmarks/kv_tiered_workload.py --groups 6 --per-group 4 --prefix 512
 
 Real processes only: a `mooncake_master` and a store process (`tests/mooncake_harness.py`), two
