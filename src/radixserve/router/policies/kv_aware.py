@@ -206,13 +206,18 @@ class KvAwarePolicy(RouterPolicy):
         gated = set(eligible)
         eligible = [i for i in healthy if i in gated or i in keeps]
         self._shares.observe([workers[i].id for i in eligible])
-        placed = self._place_while_evicting(workers, eligible, cached, size, now)
+        small = self._small_hold(workers, eligible, cached, loadable, size)
+        placed = self._place_while_evicting(workers, eligible, cached, size, now, small)
         if placed is not None:
             return placed
 
         def score(i: int) -> tuple[float, int, float, float]:
             w = workers[i]
-            work = prefill_work(size, cached.get(w.id, 0), loadable.get(w.id, 0), w.kv_load_ratio)
+            if small:  # no holder to prefer: placed as a new prefix is
+                work = float(size)
+            else:
+                held, can_load = cached.get(w.id, 0), loadable.get(w.id, 0)
+                work = prefill_work(size, held, can_load, w.kv_load_ratio)
             recent = self._shares.count(w.id)
             return (work + PENDING_WEIGHT * self.pending(w), w.load, recent, self.rng.random())
 
@@ -247,6 +252,23 @@ class KvAwarePolicy(RouterPolicy):
             return pick
         return min(eligible, key=lambda i: self._shares.count(workers[i].id))
 
+    def _small_hold(
+        self,
+        workers: Sequence[WorkerView],
+        eligible: list[int],
+        cached: dict[Hashable, int],
+        loadable: dict[Hashable, int],
+        size: int,
+    ) -> bool:
+        """Whether the most any eligible worker holds (on device or loadable) of the prompt is
+        at most cache_threshold of it, and something is held: no holder worth preferring (see
+        the header)."""
+        best = max(
+            (max(cached.get(workers[i].id, 0), loadable.get(workers[i].id, 0)) for i in eligible),
+            default=0,
+        )
+        return 0 < best <= self.config.cache_threshold * size
+
     def _place_while_evicting(
         self,
         workers: Sequence[WorkerView],
@@ -254,15 +276,17 @@ class KvAwarePolicy(RouterPolicy):
         cached: dict[Hashable, int],
         size: int,
         now: float,
+        small: bool = False,
     ) -> int | None:
         """The worker with the smallest footprint, for a request all eligible workers hold
-        equally and partly while the fleet evicts; None to leave it to the score."""
+        equally and partly, or that they hold only a `small` part of, while the fleet evicts;
+        None to leave it to the score."""
         ids = [workers[i].id for i in eligible]
         evicting = [self._evicting(w, now) for w in ids]  # dates every change it sees
         if len(ids) < 2 or not any(evicting):
             return None
         levels = {cached.get(w, 0) for w in ids}
-        if len(levels) != 1 or not levels.pop():
+        if not small and (len(levels) != 1 or not levels.pop()):
             return None
         held = self.index.blocks()
         if any(w not in held for w in ids):
