@@ -426,19 +426,20 @@ def test_a_substantial_hold_still_goes_to_its_holder_when_others_were_sent_less(
     assert policy.select(workers, short, 1.0) == 1
 
 
-def test_while_evicting_a_small_hold_is_placed_by_footprint():
-    """A new session whose only hold is a shared prompt on one worker (40% of it) goes, while
-    the fleet evicts, to the worker with the smallest footprint, not to that holder; once the
-    evictions are old, to the worker sent fewer requests lately, as a new prefix would."""
+def test_a_small_hold_counts_again_while_the_fleet_evicts():
+    """The small-hold rule applies while nothing is evicted: then a new session whose only
+    hold is a shared prompt on one worker (40% of it) goes to the worker sent fewer requests
+    lately; while the fleet evicts, the score decides as before and the holder takes it."""
     policy, workers = KvAwarePolicy(), fleet(2)
     hold(policy, "w0", SHARED + [50_000] * 40 * BS, tag=0)  # 48 blocks
     hold(policy, "w1", [50_001] * 10 * BS, tag=1)  # 10 blocks
-    policy.index.apply("w1", [BlockRemoved(((1 << 20) + 9,))])
     policy.select(workers, view([1]), 10.0)  # a short prompt: both workers seen, none sent
     for k in range(2):
         short = view([40_000 + 100 * k + t for t in range(BS)])
-        policy.on_dispatch("w1", short, 10.0)
-        policy.on_complete("w1", short, 10.0)
+        policy.on_dispatch("w0", short, 10.0)
+        policy.on_complete("w0", short, 10.0)
     session = view(SHARED + [70_000 + t for t in range(12 * BS)])  # w0 holds 8 of 20 blocks
-    assert policy.select(workers, session, 10.0) == 1  # evicting: w1's 9 blocks against 48
-    assert policy.select(workers, session, 10.0 + EVICTING_SECS) == 0  # sent fewer lately
+    assert policy.select(workers, session, 10.0) == 1  # nothing evicted: sent fewer lately
+    policy.index.apply("w1", [BlockRemoved(((1 << 20) + 9,))])
+    assert policy.select(workers, session, 11.0) == 0  # evicting: the holder
+    assert policy.select(workers, session, 11.0 + EVICTING_SECS) == 1

@@ -226,10 +226,15 @@ class KvAwarePolicy(RouterPolicy):
         gated = set(eligible)
         eligible = [i for i in healthy if i in gated or i in keeps]
         self._shares.observe([workers[i].id for i in eligible])
-        small = self._small_hold(workers, eligible, cached, loadable, size)
-        placed = self._place_while_evicting(workers, eligible, cached, size, now, small)
-        if placed is not None:
-            return placed
+        ids = [workers[i].id for i in eligible]
+        evicting = [self._evicting(w, now) for w in ids]  # dates every change it sees
+        if len(ids) > 1 and any(evicting):
+            placed = self._place_while_evicting(workers, eligible, cached, size)
+            if placed is not None:
+                return placed
+            small = False  # a small hold counts while the fleet evicts (see the header)
+        else:
+            small = self._small_hold(workers, eligible, cached, loadable, size)
 
         def score(i: int) -> tuple[float, int, float, float]:
             w = workers[i]
@@ -295,18 +300,12 @@ class KvAwarePolicy(RouterPolicy):
         eligible: list[int],
         cached: dict[Hashable, int],
         size: int,
-        now: float,
-        small: bool = False,
     ) -> int | None:
         """The worker with the smallest footprint, for a request all eligible workers hold
-        equally and partly, or that they hold only a `small` part of, while the fleet evicts;
-        None to leave it to the score."""
+        equally and partly (the fleet evicts); None to leave it to the score."""
         ids = [workers[i].id for i in eligible]
-        evicting = [self._evicting(w, now) for w in ids]  # dates every change it sees
-        if len(ids) < 2 or not any(evicting):
-            return None
         levels = {cached.get(w, 0) for w in ids}
-        if not small and (len(levels) != 1 or not levels.pop()):
+        if len(levels) != 1 or not levels.pop():
             return None
         held = self.index.blocks()
         if any(w not in held for w in ids):
