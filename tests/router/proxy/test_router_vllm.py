@@ -348,8 +348,8 @@ def test_multi_turn_chat_kv_aware_hits_at_least_as_much(vllm_pair, router):
 
 @pytest.mark.xfail(strict=False, reason=(
     "issue 26 item 3, open: kv_aware equals cache_aware here, 68.4% = 68.4% (measured once "
-    "more after n12's change: a hold of at most cache_threshold of the prompt is no "
-    "preference, so new chats sharing only the system prompt spread 4 a worker and each chat "
+    "more after n12's change: while nothing is evicted, a hold of at most cache_threshold of "
+    "the prompt is no preference, so new chats sharing only the system prompt spread 4 a worker and each chat "
     "stays on its worker); before it kv_aware had 48.7%, the first 4 chats all on one worker. "
     "Higher, as asserted, is not shown: both policies place the chats alike"))  # fmt: skip
 def test_chat_while_vllm_evicts_kv_aware_hits_more(vllm_pair, router):
