@@ -377,3 +377,69 @@ def test_a_hold_counts_against_what_the_worker_can_serve():
     workers = [WorkerView("w0", load=10), WorkerView("w1", load=1)]
     assert policy.cached_tokens(workers, view(ids))["w0"] == 640
     assert policy.select(workers, view(ids), 0.0) == 0
+
+
+def chat_picks(policy, chats=4, turns=3):
+    """Chats sharing a 4-block system prompt, each opening with 8 blocks of its own, then
+    growing by 2 blocks a turn, one request at a time on 2 idle workers, the engine announcing
+    every prompt it served: per chat, the worker of each turn."""
+    system = list(range(5_000, 5_000 + 4 * BS))
+    prompts = [system + [20_000 + 1_000 * c + t for t in range(8 * BS)] for c in range(chats)]
+    workers, where, tag = fleet(2), [""] * chats, 0
+    for turn in range(turns):
+        for c in range(chats):
+            req, now = view(prompts[c]), 10.0 * turn + c
+            pick = policy.select(workers, req, now)
+            policy.on_dispatch(workers[pick].id, req, now)
+            tag += 1
+            hold(policy, workers[pick].id, prompts[c], tag=tag)
+            policy.on_complete(workers[pick].id, req, now)
+            where[c] += str(pick)
+            prompts[c] += [90_000 + 1_000 * c + 100 * turn + t for t in range(2 * BS)]
+    return where
+
+
+def test_new_chats_sharing_a_small_system_prompt_spread_and_their_turns_stay():
+    """Issue 26 on two vLLM servers: a hold that is a small part of the prompt (a shared system
+    prompt, a third of a new chat's first turn: at most cache_threshold of it) is no reason to
+    prefer its holder, so new chats go round the idle workers instead of all to the one that
+    served the first (which then evicts); later turns, mostly held, stay with their holder."""
+    where = chat_picks(KvAwarePolicy())
+    assert sorted(w[0] for w in where) == ["0", "0", "1", "1"], where
+    assert all(len(set(w)) == 1 for w in where), where
+    # cache_threshold 0: any hold decides, and every chat follows the first one's worker
+    where = chat_picks(KvAwarePolicy(CachePolicyConfig(cache_threshold=0.0)))
+    assert len({w[0] for w in where}) == 1, where
+
+
+def test_a_substantial_hold_still_goes_to_its_holder_when_others_were_sent_less():
+    """A long document asked again with a new question (over cache_threshold of the prompt
+    held) goes to its holder even though the other worker was sent fewer requests lately."""
+    policy, workers = KvAwarePolicy(), fleet(2)
+    doc = [30_000 + t for t in range(10 * BS)]
+    hold(policy, "w0", doc, tag=1)
+    for k in range(3):
+        policy.on_dispatch("w0", view([40_000 + 100 * k + t for t in range(BS)]), 0.0)
+    repeat = view(doc + [50_000 + t for t in range(6 * BS)])  # 10 blocks of 16 held: 62%
+    assert policy.select(workers, repeat, 1.0) == 0
+    short = view(doc[: 4 * BS] + [60_000 + t for t in range(8 * BS)])  # 4 of 12 blocks: 33%
+    assert policy.select(workers, short, 1.0) == 1
+
+
+def test_a_small_hold_counts_again_while_the_fleet_evicts():
+    """The small-hold rule applies while nothing is evicted: then a new session whose only
+    hold is a shared prompt on one worker (40% of it) goes to the worker sent fewer requests
+    lately; while the fleet evicts, the score decides as before and the holder takes it."""
+    policy, workers = KvAwarePolicy(), fleet(2)
+    hold(policy, "w0", SHARED + [50_000] * 40 * BS, tag=0)  # 48 blocks
+    hold(policy, "w1", [50_001] * 10 * BS, tag=1)  # 10 blocks
+    policy.select(workers, view([1]), 10.0)  # a short prompt: both workers seen, none sent
+    for k in range(2):
+        short = view([40_000 + 100 * k + t for t in range(BS)])
+        policy.on_dispatch("w0", short, 10.0)
+        policy.on_complete("w0", short, 10.0)
+    session = view(SHARED + [70_000 + t for t in range(12 * BS)])  # w0 holds 8 of 20 blocks
+    assert policy.select(workers, session, 10.0) == 1  # nothing evicted: sent fewer lately
+    policy.index.apply("w1", [BlockRemoved(((1 << 20) + 9,))])
+    assert policy.select(workers, session, 11.0) == 0  # evicting: the holder
+    assert policy.select(workers, session, 11.0 + EVICTING_SECS) == 1
