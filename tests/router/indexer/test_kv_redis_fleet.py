@@ -130,11 +130,12 @@ def test_replicas_agree_and_a_late_one_routes_precisely_at_once(fleet):
     urls = [w.url for w in fleet["workers"]]
     a, b = router(fleet), router(fleet)
     p1, p2, p3 = prompt(1), prompt(2), prompt(3)
-    # p1 goes through A; then p2, while a long request on p1's worker (sent there by A for its
-    # prefix) keeps that one busy: A sends p2 to the other, so the prefixes live apart
+    # p1 goes through A; then p2, while a long request on p1's worker (p1 and one block more,
+    # so A sends it to p1's holder: a hold of at most half a prompt is no preference) keeps that
+    # one busy: A sends p2 to the other, so the prefixes live apart
     w1 = routed_to(a, p1)
     w2 = next(u for u in urls if u != w1)
-    busy = threading.Thread(target=generate, args=(f"http://{a.addr}", p1 + prompt(9), 2000))
+    busy = threading.Thread(target=generate, args=(f"http://{a.addr}", p1 + prompt(9, BLOCK), 2000))
     busy.start()
     try:
         wait_for(lambda: loads(a)[w1] == 1, what="a request in flight on w1")
