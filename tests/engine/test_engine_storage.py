@@ -115,12 +115,13 @@ def test_engine_b_loads_what_engine_a_wrote(model_dir, written, tmp_path, policy
     assert stats["storage_prefetch_waits"] == 1 and stats["storage_cached_tokens"] == loaded
 
 
-@pytest.mark.parametrize("forged", ["namespace", "size"])
+@pytest.mark.parametrize("forged", ["namespace", "size", "empty"])
 def test_a_foreign_or_wrong_size_page_is_refused_and_recomputed(
     model_dir, written, tmp_path, forged: str
 ) -> None:
-    """The store's second page replaced by a value of another namespace, or of another size,
-    under the same key: B loads the first page only and computes the rest."""
+    """The store's second page replaced by a value of another namespace, or of another size, or
+    by nothing (what Mooncake returns for a key it lists but can no longer read) under the same
+    key: B loads the first page only and computes the rest."""
     store = tmp_path / "kv"
     shutil.copytree(written[0], store)
     info = written[2]
@@ -129,7 +130,7 @@ def test_a_foreign_or_wrong_size_page_is_refused_and_recomputed(
     nbytes = path.stat().st_size - HEADER.size
     fmt = PageFormat("another-model" if forged == "namespace" else info["namespace"],
                      nbytes if forged == "namespace" else nbytes // 2)  # fmt: skip
-    path.write_bytes(fmt.frame(key, bytes(fmt.page_nbytes)))
+    path.write_bytes(b"" if forged == "empty" else fmt.frame(key, bytes(fmt.page_nbytes)))
     got, _, _, stats = serve_b(model_dir, store, "wait_complete")
     assert got["meta_info"]["cached_tokens_details"] == {"device": 0, "host": 0, "storage": CHUNK}
     assert stats["storage_refused_pages"] == 1 and stats["storage_prefetch_failures"] == 1
