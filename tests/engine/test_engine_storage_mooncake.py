@@ -133,6 +133,23 @@ def test_engine_b_loads_the_prefix_engine_a_computed(cluster, procs) -> None:
     assert held and held[0]["meta_info"]["cached_tokens"] == 0
 
 
+def test_a_prefetch_past_its_deadline_is_recomputed(cluster, procs) -> None:
+    """`--hicache-storage-prefetch-policy timeout`: with the master hung, a request's lookup
+    cannot finish; at its deadline (2 s + 0.1 s per 1,024 tokens) it is queued and computed
+    while the master is still hung, and the timeout is counted."""
+    t = engine(cluster, procs, "timeout", rpc_timeout_ms=60000)
+    assert generate(t, prompt(97, 100))["meta_info"]["completion_tokens"] == SP["max_new_tokens"]
+    os.kill(cluster.master.pid, signal.SIGSTOP)
+    try:
+        out = generate(t, prompt(96))  # answered although its lookup never finishes
+        stats = t.stats()
+    finally:
+        os.kill(cluster.master.pid, signal.SIGCONT)
+    assert out["meta_info"]["cached_tokens"] == 0
+    assert out["meta_info"]["completion_tokens"] == SP["max_new_tokens"]
+    assert stats["storage_prefetch_timeouts"] == 1
+
+
 def prompt(seed: int, n: int = 600) -> list[int]:
     r = random.Random(seed)
     return [r.randrange(200, 40000) for _ in range(n)]
