@@ -592,20 +592,35 @@ def _attend_decode_shared(
     out = out.float()
     for p in group.prefixes:
         kp, vp = kv.gather(layer, p.slots)  # [P, kv_heads, dim]
-        m = p.rows.shape[0]
-        # the group's rows become query rows of one call per KV head: [1, kv_heads, m*per_kv, d]
-        qm = qg.index_select(0, p.rows).transpose(0, 1).reshape(1, kv_heads, m * per_kv, dim)
-        kp = kp.transpose(0, 1)[None].to(q.dtype)
-        vp = vp.transpose(0, 1)[None].to(q.dtype)
-        op, lp = _flash_cpu(qm, kp, vp)
-        op = op.view(kv_heads, m, per_kv, dim).transpose(0, 1).float()
-        lp = lp.view(kv_heads, m, per_kv).transpose(0, 1)
-        lt = lse.index_select(0, p.rows)
-        total = torch.logaddexp(lp, lt)
-        merged = op * (lp - total).exp()[..., None]
-        merged += out.index_select(0, p.rows) * (lt - total).exp()[..., None]
-        out.index_copy_(0, p.rows, merged)
+        _add_prefix(out, lse, qg, p.rows, kp.transpose(0, 1)[None], vp.transpose(0, 1)[None])
     return out.to(q.dtype).reshape(b, heads * dim)
+
+
+def _add_prefix(
+    out: torch.Tensor, lse: torch.Tensor, qg: torch.Tensor, rows: torch.Tensor,
+    kp: torch.Tensor, vp: torch.Tensor,
+) -> None:  # fmt: skip
+    """Merge into ``out`` (float32 ``[b, kv_heads, per_kv, dim]``, log-sum-exp ``lse``) the
+    attention of decode ``rows`` over a prefix they share, ``kp``/``vp`` ``[1, kv_heads, P,
+    dim]``: the rows become query rows of one flash call per KV head."""
+    _, kv_heads, per_kv, dim = qg.shape
+    m = rows.shape[0]
+    qm = qg.index_select(0, rows).transpose(0, 1).reshape(1, kv_heads, m * per_kv, dim)
+    op, lp = _flash_cpu(qm, kp.to(qg.dtype), vp.to(qg.dtype))
+    op = op.view(kv_heads, m, per_kv, dim).transpose(0, 1).float()
+    _merge_lse(out, lse, rows, op, lp.view(kv_heads, m, per_kv).transpose(0, 1))
+
+
+def _merge_lse(
+    out: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor, op: torch.Tensor, lp: torch.Tensor
+) -> None:
+    """``out[rows]`` becomes the softmax-weighted sum of itself (log-sum-exp ``lse[rows]``) and
+    ``op`` (log-sum-exp ``lp``): two parts of one attention, merged exactly."""
+    lt = lse.index_select(0, rows)
+    total = torch.logaddexp(lp, lt)
+    merged = op * (lp - total).exp()[..., None]
+    merged += out.index_select(0, rows) * (lt - total).exp()[..., None]
+    out.index_copy_(0, rows, merged)
 
 
 def _attend_decode_tails(
@@ -664,16 +679,7 @@ def _attend_decode_tails(
         else:
             kp, vp = kv.gather(layer, p.slots)
             kp, vp = kp.transpose(0, 1)[None], vp.transpose(0, 1)[None]
-        m = p.rows.shape[0]
-        qm = qg.index_select(0, p.rows).transpose(0, 1).reshape(1, kv_heads, m * per_kv, dim)
-        op, lp = _flash_cpu(qm, kp.to(q.dtype), vp.to(q.dtype))
-        op = op.view(kv_heads, m, per_kv, dim).transpose(0, 1).float()
-        lp = lp.view(kv_heads, m, per_kv).transpose(0, 1)
-        lt = lse.index_select(0, p.rows)
-        total = torch.logaddexp(lp, lt)
-        merged = op * (lp - total).exp()[..., None]
-        merged += out.index_select(0, p.rows) * (lt - total).exp()[..., None]
-        out.index_copy_(0, p.rows, merged)
+        _add_prefix(out, lse, qg, p.rows, kp, vp)
     return out.to(q.dtype).reshape(b, heads * dim)
 
 
@@ -719,11 +725,7 @@ def _attend_spans_shared(
     for p in plan.span_prefixes:
         kp, vp = kv.gather(layer, p.slots)
         op, lp = _flash_grouped(queries.index_select(0, p.rows), kp, vp, None)
-        lt = lse.index_select(0, p.rows)
-        total = torch.logaddexp(lp, lt)
-        merged = op * (lp - total).exp()[..., None]
-        merged += out.index_select(0, p.rows) * (lt - total).exp()[..., None]
-        out.index_copy_(0, p.rows, merged)
+        _merge_lse(out, lse, p.rows, op, lp)
     return out.to(q.dtype).reshape(out.shape[0], heads * dim)
 
 
