@@ -27,7 +27,6 @@ ratios (issue goals: mean TTFT <= 0.2x, throughput >= 1.5x). Timings never fail 
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import random
 import statistics
@@ -43,7 +42,7 @@ from _machine import machine_line
 from kv_tier_ttft import BYTES_PER_TOKEN, CHUNK, tokens
 from mooncake_harness import MooncakeCluster, backend_ports
 from server_harness import ServerProcess
-from vllm_fleet import Router
+from vllm_fleet import Router, sse_events
 
 EVENTS = json.dumps({"endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*"})
 TIERS = ("device", "host", "storage")
@@ -75,24 +74,12 @@ def stream_generate(port: int, ids: list[int], out: int) -> tuple[float, float, 
     """(TTFT, end-to-end seconds, the last chunk's meta_info) of one streamed /generate."""
     body = {"input_ids": ids, "stream": True,
             "sampling_params": {"max_new_tokens": out, "temperature": 0, "ignore_eos": True}}  # fmt: skip
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     t0 = time.perf_counter()
     ttft, meta = None, {}
-    try:
-        conn.request("POST", "/generate", body=json.dumps(body).encode(),
-                     headers={"Content-Type": "application/json"})  # fmt: skip
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise RuntimeError(f"/generate answered {resp.status}: {resp.read()[:300]!r}")
-        while line := resp.readline():
-            line = line.strip()
-            if not line.startswith(b"data:") or line == b"data: [DONE]":
-                continue
-            if ttft is None:
-                ttft = time.perf_counter() - t0
-            meta = json.loads(line[5:]).get("meta_info", meta)
-    finally:
-        conn.close()
+    for event in sse_events(port, "/generate", body, timeout_s=600):
+        if ttft is None:
+            ttft = time.perf_counter() - t0
+        meta = event.get("meta_info", meta)
     e2e = time.perf_counter() - t0
     return (ttft if ttft is not None else e2e), e2e, meta
 

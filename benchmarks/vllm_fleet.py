@@ -31,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -109,28 +110,33 @@ def call(port: int, method: str, path: str, body: Any = None) -> tuple[int, byte
         conn.close()
 
 
-def stream(port: int, path: str, body: dict) -> tuple[float, str]:
-    """POST a streamed completion; (seconds to the first generated text, the whole text)."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
-    t0 = time.perf_counter()
-    ttft, parts = None, []
+def sse_events(port: int, path: str, body: dict, timeout_s: float = 300.0) -> Iterator[dict]:
+    """POST ``body`` to a streaming endpoint; each server-sent ``data:`` event, parsed."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
     try:
-        conn.request("POST", path, body=json.dumps({**body, "stream": True}).encode(),
+        conn.request("POST", path, body=json.dumps(body).encode(),
                      headers={"Content-Type": "application/json"})  # fmt: skip
         resp = conn.getresponse()
         if resp.status != 200:
             raise RuntimeError(f"{path} answered {resp.status}: {resp.read()[:300]!r}")
         while line := resp.readline():
             line = line.strip()
-            if not line.startswith(b"data:") or line == b"data: [DONE]":
-                continue
-            for choice in json.loads(line[5:]).get("choices", []):
-                text = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
-                if text and ttft is None:
-                    ttft = time.perf_counter() - t0
-                parts.append(text)
+            if line.startswith(b"data:") and line != b"data: [DONE]":
+                yield json.loads(line[5:])
     finally:
         conn.close()
+
+
+def stream(port: int, path: str, body: dict) -> tuple[float, str]:
+    """POST a streamed completion; (seconds to the first generated text, the whole text)."""
+    t0 = time.perf_counter()
+    ttft, parts = None, []
+    for event in sse_events(port, path, {**body, "stream": True}):
+        for choice in event.get("choices", []):
+            text = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+            if text and ttft is None:
+                ttft = time.perf_counter() - t0
+            parts.append(text)
     return (ttft if ttft is not None else time.perf_counter() - t0), "".join(parts)
 
 
