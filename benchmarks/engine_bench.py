@@ -153,6 +153,7 @@ def run_server(name: str, args: argparse.Namespace, port: int, model_dir: Path) 
     env = dict(os.environ)
     if name == "vllm":
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     log = open(Path(args.log_dir) / f"{name}.log", "w")  # noqa: SIM115 - closed below
     print(f"# starting {name}: {shlex.join(cmd)}", flush=True)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
