@@ -27,6 +27,7 @@ import json
 import os
 import shlex
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -97,6 +98,12 @@ def vllm_model_dir(src: Path, out: Path) -> Path:
     return out
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> float:
     start = time.perf_counter()
     while time.perf_counter() - start < timeout_s:
@@ -153,6 +160,9 @@ def run_server(name: str, args: argparse.Namespace, port: int, model_dir: Path) 
     env = dict(os.environ)
     if name == "vllm":
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    with socket.socket() as s:  # another server there would answer for this one
+        if s.connect_ex(("127.0.0.1", port)) == 0:
+            raise SystemExit(f"port {port} is in use: pass a free --port")
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     log = open(Path(args.log_dir) / f"{name}.log", "w")  # noqa: SIM115 - closed below
     print(f"# starting {name}: {shlex.join(cmd)}", flush=True)
@@ -187,7 +197,7 @@ def main() -> None:
     p.add_argument("--vllm-python", default="/work/venvs/vllm/bin/python")
     p.add_argument("--radixserve-args", default="", help="extra flags for radixserve serve")
     p.add_argument("--vllm-args", default="", help="extra flags for vLLM's server")
-    p.add_argument("--port", type=int, default=18231)
+    p.add_argument("--port", type=int, default=0, help="first server's port (0: a free one)")
     p.add_argument("--start-timeout", type=float, default=900.0)
     p.add_argument("--log-dir", default=tempfile.gettempdir())
     args = p.parse_args()
@@ -197,7 +207,9 @@ def main() -> None:
     model_dir = vllm_model_dir(src, Path(tempfile.gettempdir()) / "radixserve-vllm-model")
     results = {}
     for i, name in enumerate(args.servers):
-        results[name] = run_server(name, args, args.port + i, model_dir)
+        results[name] = run_server(
+            name, args, args.port + i if args.port else free_port(), model_dir
+        )
     cols = ["wall", "req/s", "ttft p50", "ttft p90", "tokens/s"]
     print(f"\nSmolLM2-135M-Instruct, dtype {args.dtype}")
     print("| workload | server | startup s | wall s | req/s | TTFT p50 s | TTFT p90 s | tokens/s "

@@ -7,9 +7,10 @@ attention (and the KV gather inside it), O projection, MLP; the final norm + LM 
 sampler, the scheduler, IPC (pickle + ZeroMQ send and receive) and the detokenizer.
 
 For each batch size B: B requests share a 384-token cached prefix (as after the prefix cache
-warms) and add 32 distinct prompt tokens. The prefill step computes the B x 32 new tokens on
-the cached context; then decode steps (B rows each, contexts ~420 tokens) are timed and the
-median kept. Milliseconds per step; wrapper overhead is ~1 us per call.
+warms; ``--prefix-groups G`` spreads them over G distinct prefixes, ``--prefix-len`` sets its
+length) and add 32 distinct prompt tokens (``--suffix-len``). The prefill step computes the
+B x 32 new tokens on the cached context; then decode steps (B rows each, contexts ~420 tokens)
+are timed and the median kept. Milliseconds per step; wrapper overhead is ~1 us per call.
 
     python benchmarks/engine_profile.py [--batches 1 8 32] [--decode-steps 5] [--dtype float32]
         [--attention-backend NAME]
@@ -39,7 +40,6 @@ from radixserve.model.runner import TorchRunner
 from radixserve.sched.request import SamplingParams
 from radixserve.sched.scheduler import Scheduler
 
-PREFIX, SUFFIX = 384, 32
 ROWS = [
     "norms", "qkv proj", "rope", "kv write", "attention gather", "attention compute",
     "o proj", "mlp", "layer other", "lm head", "runner other", "sampler", "scheduler",
@@ -139,19 +139,23 @@ def profile_batch(b: int, args: argparse.Namespace, model: ModelConfig) -> dict[
 
     sampling = SamplingParams(max_new_tokens=1000, temperature=0.0, ignore_eos=True)
     vocab = run.info.vocab_size
-    prefix = [(7 * i + 11) % vocab for i in range(PREFIX)]
+    groups = max(1, min(args.prefix_groups, b))
+    prefixes = [[(7 * i + 11 + 997 * g) % vocab for i in range(args.prefix_len)]
+                for g in range(groups)]  # fmt: skip
 
     def add(rid: str, ids: list[int]) -> None:
         worker.handle(GenerateReq(rid, ids, sampling))
 
-    add("warm", prefix + [5] * 4)  # caches the prefix
-    while sched.get("warm") is not None and sched.get("warm").num_generated < 2:
-        worker.step()
-    worker.handle(_stop("warm"))
-    drain_detok()
+    for g, prefix in enumerate(prefixes):  # caches each group's prefix
+        add(f"warm{g}", prefix + [5] * 4)
+        while sched.get(f"warm{g}") is not None and sched.get(f"warm{g}").num_generated < 2:
+            worker.step()
+        worker.handle(_stop(f"warm{g}"))
+        drain_detok()
     instrument(t, run, worker)
     for i in range(b):
-        add(f"r{i}", prefix + [(101 * i + 13 * j + 3) % vocab for j in range(SUFFIX)])
+        suffix = [(101 * i + 13 * j + 3) % vocab for j in range(args.suffix_len)]
+        add(f"r{i}", prefixes[i % groups] + suffix)
     drain_detok()
     t.take()
     worker.step()
@@ -189,6 +193,14 @@ def main() -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--num-threads", type=int, default=0)
+    p.add_argument("--prefix-len", type=int, default=384, help="cached prefix tokens per request")
+    p.add_argument("--suffix-len", type=int, default=32, help="new prompt tokens per request")
+    p.add_argument(
+        "--prefix-groups",
+        type=int,
+        default=1,
+        help="distinct cached prefixes the B requests spread over (at most B)",
+    )
     args = p.parse_args()
     kw: dict[str, Any] = {"dtype": args.dtype, "num_threads": args.num_threads}
     if args.attention_backend:
@@ -197,8 +209,9 @@ def main() -> None:
     print(machine_line())
     results = {b: profile_batch(b, args, model) for b in args.batches}
     print(f"SmolLM2-135M, dtype {args.dtype}, attention {args.attention_backend or 'auto'}, "
-          f"{torch.get_num_threads()} torch threads; prefix {PREFIX} cached + {SUFFIX} new "
-          f"tokens per request; ms per step (decode: median of {args.decode_steps})")  # fmt: skip
+          f"{torch.get_num_threads()} torch threads; prefix {args.prefix_len} cached (in "
+          f"{args.prefix_groups} group(s)) + {args.suffix_len} new tokens per request; ms per "
+          f"step (decode: median of {args.decode_steps})")  # fmt: skip
     heads = [f"{kind} B={b}" for kind in ("prefill", "decode") for b in args.batches]
     print("| part | " + " | ".join(heads) + " |")
     print("|---" * (len(heads) + 1) + "|")
