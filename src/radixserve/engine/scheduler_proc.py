@@ -34,7 +34,8 @@ from radixserve.sched.request import FinishReason, Req, TokenOutput
 from radixserve.sched.scheduler import Scheduler
 from radixserve.sched.validate import check_request
 
-FLUSH_WAIT_S = 5.0  # a flush waits this long for the storage tier's writer to read its pages
+FLUSH_WAIT_S = 2.0  # a flush waits this long for the storage writer to read its pinned pages
+# (under the API's 5 s control timeout; still pinned after it: the flush is refused, 409)
 
 
 @dataclass(slots=True)
