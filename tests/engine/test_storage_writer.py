@@ -177,3 +177,17 @@ def test_close_releases_every_pin(tmp_path) -> None:
     threading.Timer(0.2, go.set).start()
     a.tier.close(a.kv)
     assert not a.kv.pins and a.kv.cache.protected_size() == 0
+
+
+def test_one_prompt_is_always_taken_however_long(tmp_path, sides) -> None:
+    """The pins out are bounded by half the pool, but a prompt longer than that is still
+    written when nothing else is pinned (it fit in the pool to be computed)."""
+    a = Side(tmp_path / "kv")
+    sides.append(a)
+    long = list(range(3000, 3000 + 10 * CHUNK + 5))  # 165 tokens of a 256-slot pool
+    slots = a.compute(long)
+    a.tier.offer_write(long, None, a.kv)
+    a.wait_written(10)
+    assert a.tier.stats()["storage_write_dropped_pages"] == 0
+    assert all(a.stored(long, i) == a.page(slots, i) for i in range(10))
+    assert a.tier.release_pins(a.kv, wait_s=5) == 0

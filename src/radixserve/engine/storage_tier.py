@@ -10,8 +10,8 @@ which of them it has already, reads only the missing pages from the device pool 
 off the scheduler thread; on a GPU on a stream of its own) and writes them, handing the pin
 back first; the scheduler thread unpins between steps (``release_pins``), so the tree is only
 ever touched by it. A pinned path is like a running request's prefix: not room for others until
-it is released; the pins out are bounded (half the device pool, and ``write_queue_pages``), so
-a hung store can keep at most that much from eviction. On a new request it asks the tree
+it is released; the pins out are bounded (half the device pool or one prompt, whichever is
+more, and ``write_queue_pages``), so a hung store keeps at most that much from eviction. On a new request it asks the tree
 how much of the prompt either tier holds, and hands the chunk keys after that to the prefetch
 thread; between steps it takes finished prefetches (``poll``): host slots are allocated, the
 bytes copied in, the pages inserted as host-only nodes (``cache.insert_host``), and a request
@@ -273,7 +273,7 @@ class StorageTier:
         slots = path_slots(node)  # the pin keeps the whole path: the node may go on past them
         limit = min(self.settings.write_queue_pages * chunk, kv.total // 2)
         if self._write_pages + len(todo) > self.settings.write_queue_pages or (
-            self._pinned_tokens + len(slots) > limit
+            self._pins_out and self._pinned_tokens + len(slots) > limit  # one always may
         ):
             self.counts.storage_write_dropped_pages += len(todo)
             return
