@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.cache.hashing import ALGORITHMS, KVNamespace, page_keys
+from radixserve.cache.node import path_slots
 
 log = logging.getLogger("radixserve.engine")
 
@@ -268,8 +269,6 @@ class StorageTier:
         todo = [i for i in todo if (i + 1) * chunk <= length]  # the pages the device holds
         if not todo:
             return
-        from radixserve.cache.node import path_slots
-
         slots = path_slots(node)  # the pin keeps the whole path: the node may go on past them
         limit = min(self.settings.write_queue_pages * chunk, kv.total // 2)
         if self._write_pages + len(todo) > self.settings.write_queue_pages or (
