@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from radixserve.cache.pool import SlotAllocator
-from radixserve.cache.radix import RadixCache
+from radixserve.cache.radix import RadixCache, path_slots
 from radixserve.cache.tiers import HostTier
 from radixserve.config import CacheConfig
 from test_cache_radix import prompts
@@ -40,6 +40,7 @@ class TieredMachine(RuleBasedStateMachine):
         self.dev = [None] * device  # the device pool's bytes, by slot
         self.hbytes = [None] * self.host.total
         self.running: list[tuple[list[int], array, object]] = []
+        self.pinned: list[tuple[list[int], array, object]] = []  # the storage writer's reads
         self.host_hits = 0
 
     def apply_copies(self) -> None:
@@ -96,6 +97,27 @@ class TieredMachine(RuleBasedStateMachine):
             self.alloc.free(sorted(own))
         self.cache.unlock(node)
         self.apply_copies()
+
+    @rule(tokens=prompts(max_len, BASES))
+    def pin_for_the_writer(self, tokens: list[int]) -> None:
+        """The storage tier offers a prompt: its device prefix (read only) is pinned until the
+        writer thread has read it; it agrees with what a match finds."""
+        node, length = self.cache.device_prefix(tokens)
+        self.cache.lock(node)
+        slots = path_slots(node)[:length]
+        m = self.cache.match_prefix(tokens)
+        assert length == m.length and slots == m.slots[:length]
+        self.pinned.append((tokens[:length], slots, node))
+
+    @precondition(lambda self: self.pinned)
+    @rule(data=st.data())
+    def the_writer_reads(self, data: st.DataObject) -> None:
+        """Whatever was evicted and recomputed meanwhile, the pinned slots hold their bytes."""
+        tokens, slots, node = self.pinned.pop(data.draw(st.integers(0, len(self.pinned) - 1)))
+        self.apply_copies()
+        for i, slot in enumerate(slots):
+            assert self.dev[slot] == kv_of(tokens[: i + 1]), "a pinned page changed"
+        self.cache.unlock(node)
 
     @rule(n=st.integers(0, 120))
     def evict(self, n: int) -> None:

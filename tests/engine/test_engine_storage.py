@@ -137,6 +137,42 @@ def test_a_foreign_or_wrong_size_page_is_refused_and_recomputed(
     assert got["output_ids"] == written[1]["output_ids"]
 
 
+def wait_unpinned(e: Engine, timeout_s: float = 30.0) -> dict:
+    """Stats once the writer has read every page it was handed (the scheduler unpinned them)."""
+    deadline = time.monotonic() + timeout_s
+    while (stats := e.stats())["storage_write_pinned_tokens"]:
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.05)
+    return stats
+
+
+def test_pages_the_store_already_holds_are_never_read(model_dir, written, tmp_path) -> None:
+    """Engine B computes PROMPT_B while its store cannot be written (the write fails: its keys
+    are not remembered as stored); engine A's pages of it then appear in the store; B serves
+    PROMPT_B again from its device pool and offers it again: B's writer asks the store first
+    and reads none of those pages from B's pool (the scheduler thread never reads any)."""
+    store = tmp_path / "kv"
+    b = engine(model_dir, store)
+    try:
+        [ns_dir] = store.iterdir()
+        shutil.rmtree(ns_dir)
+        ns_dir.write_bytes(b"")  # a file where the pages' directory goes: every write fails
+        first = b.generate(input_ids=PROMPT_B, sampling_params=SP)
+        stats = wait_unpinned(b)
+        assert stats["storage_pages_gathered"] == len(SHARED) // CHUNK  # read, not stored
+        assert stats["storage_pages_written"] == 0
+        ns_dir.unlink()
+        shutil.copytree(written[0] / ns_dir.name, ns_dir)  # A's pages, B's namespace
+        again = b.generate(input_ids=PROMPT_B, sampling_params=SP)
+        stats = wait_unpinned(b)
+    finally:
+        b.shutdown()
+    assert again["meta_info"]["cached_tokens_details"]["device"] > 0
+    assert stats["storage_pages_gathered"] == len(SHARED) // CHUNK  # none read again
+    assert stats["storage_pages_written"] == 0
+    assert again["output_ids"] == first["output_ids"] == written[1]["output_ids"]
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_stored_page_layout_and_round_trip(dtype: str) -> None:
     """A stored page is [layers, 2, chunk, heads, dim] of the device pool's bytes (the

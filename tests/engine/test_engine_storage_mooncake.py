@@ -199,3 +199,38 @@ def test_faults_lose_no_request_and_never_load_wrong_bytes(cluster, procs) -> No
     assert c.stats()["storage_prefetch_failures"] == failures + 1
     assert not c.errors()
     cluster.start_store()
+
+
+def test_pages_pinned_for_a_hung_writer_are_never_evicted(cluster, procs) -> None:
+    """The writer reads a prompt's pages off the scheduler thread, after asking the store; until
+    it has, they are pinned. With the master hung (SIGSTOP) the writer waits in that call while
+    two other prompts need the device pool (4,096 slots) and evict everything they can (their
+    own pages are not offered: the pins out are bounded by half the pool); once the master
+    answers, the writer reads the pinned pages, untouched, and stores them: engine B loads them
+    with A's output and logprobs within 1e-4, and A's pin is gone."""
+    a = engine(cluster, procs, "timeout", rpc_timeout_ms=180000)
+    os.kill(cluster.master.pid, signal.SIGSTOP)
+    try:
+        out_a = generate(a, PROMPT)  # its lookup hangs: computed at its deadline
+        held = a.stats()
+        assert held["storage_write_pinned_tokens"] >= LOADABLE
+        for seed in (61, 62):  # 2 x 1,208 tokens > the 2,089 slots left: they evict
+            generate(a, prompt(seed, 1200))
+        stats = a.stats()
+    finally:
+        os.kill(cluster.master.pid, signal.SIGCONT)
+    assert stats["storage_pages_written"] == 0 and stats["storage_pages_gathered"] == 0
+    assert stats["storage_write_pinned_tokens"] == held["storage_write_pinned_tokens"]
+    assert stats["storage_write_dropped_pages"] == 2 * (1200 // CHUNK)  # bounded: not pinned
+    stats = wait_stat(a, "storage_pages_written", LOADABLE // CHUNK)
+    assert stats["storage_pages_gathered"] == LOADABLE // CHUNK
+    deadline = time.monotonic() + 30
+    while a.stats()["storage_write_pinned_tokens"]:
+        assert time.monotonic() < deadline, "the pin was never released"
+        time.sleep(0.1)
+
+    b = engine(cluster, procs, rpc_timeout_ms=60000)
+    got = generate(b, PROMPT)
+    assert got["meta_info"]["cached_tokens_details"]["storage"] == LOADABLE
+    assert got["output_ids"] == out_a["output_ids"]
+    assert lps(got) == pytest.approx(lps(out_a), abs=1e-4)

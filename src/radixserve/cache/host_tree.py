@@ -215,6 +215,31 @@ class HostTreeMixin:
             node = child
         return pos
 
+    def device_prefix(self, tokens: Sequence[int], namespace: Any = None) -> tuple[TreeNode, int]:
+        """The longest prefix of ``tokens`` (whole pages) whose KV is in the device pool, as
+        (its last node, its length); read only, like ``cached_len``. The node's key may go on
+        past the prefix: ``path_slots(node)[:length]`` are the prefix's slots, and locking the
+        node keeps them (a reader outside the scheduler: the storage tier's writer)."""
+        page = self.page_size  # type: ignore[attr-defined]
+        end = len(tokens) - len(tokens) % page
+        node = self.root.children.get(namespace)  # type: ignore[attr-defined]
+        if node is None:
+            return self.root, 0  # type: ignore[attr-defined]
+        pos = 0
+        while pos < end:
+            child = node.children.get(self._child_key(tokens, pos))  # type: ignore[attr-defined]
+            if child is None or child.value is None:
+                break
+            n = _common(child.key, tokens, pos, end)
+            n -= n % page
+            if not n:
+                break
+            pos += n
+            node = child
+            if n < len(child.key):
+                break
+        return node, pos
+
     def alloc_host(self, n: int) -> array | None:
         """``n`` host slots (whole pages), evicting host-only leaves for them; None if the host
         tier cannot make that many free."""

@@ -34,6 +34,9 @@ from radixserve.sched.request import FinishReason, Req, TokenOutput
 from radixserve.sched.scheduler import Scheduler
 from radixserve.sched.validate import check_request
 
+FLUSH_WAIT_S = 2.0  # a flush waits this long for the storage writer to read its pinned pages
+# (under the API's 5 s control timeout; still pinned after it: the flush is refused, 409)
+
 
 @dataclass(slots=True)
 class Worker:
@@ -104,6 +107,8 @@ class Worker:
 
     def _control(self, msg: ControlReq) -> Any:
         if msg.op == "flush_cache":
+            if self.storage is not None:  # pages the writer is reading: a moment to finish
+                self.storage.release_pins(self.scheduler.kv, wait_s=FLUSH_WAIT_S)
             flushed = self.scheduler.flush_cache()
             if flushed and self.events is not None:
                 self.events.cleared()
@@ -150,28 +155,33 @@ class Worker:
         if batch.kv_copies and self.tiers is not None:
             self.tiers.apply(batch.kv_copies)  # before the forward may overwrite a slot they read
         result = self.runner.run(batch)
-        if self.storage is not None:
-            self._store_prompts(batch)
+        prompts = self._completed_prompts(batch) if self.storage is not None else []
         if self.realtime and result.duration:
             time.sleep(result.duration)
         lps = self._logprobs(batch, result)
         outs = self.scheduler.on_output(batch, result)
+        for req in prompts:  # now in the tree: pinned there for the writer thread, not read here
+            self.storage.offer_write(req.input_ids, req.namespace, self.scheduler.kv)
         sent = [t for t in (self._token_out(o, lps.get(o.rid)) for o in outs) if t is not None]
         if sent:
             self.push.send_pyobj(TokenBatch(sent))
         return True
 
-    def _store_prompts(self, batch: Batch) -> None:
-        """Prompts this forward completed go to the storage tier (gathered now, written by its
-        thread), while their slots are surely theirs."""
+    def _completed_prompts(self, batch: Batch) -> list[Req]:
+        """Requests whose prompt this forward completed (their pages go to the storage tier
+        once ``on_output`` has put them in the tree)."""
+        done = []
         for e in batch.entries:
             if e.is_prefill and e.sample and e.start_pos + len(e.token_ids) >= len(e.prompt_ids):
                 req = self.live.get(e.rid)
                 if req is not None:
-                    self.storage.offer_write(req.input_ids, req.namespace, e.slots)
+                    done.append(req)
+        return done
 
     def _queue_fetched(self) -> None:
-        """Land finished prefetches; queue the requests that waited on them."""
+        """Unpin the pages the writer has read; land finished prefetches; queue the requests
+        that waited on them."""
+        self.storage.release_pins(self.scheduler.kv)
         for req in self.storage.poll(self.scheduler.cache):
             if self.live.get(req.rid) is not req:  # aborted meanwhile
                 continue
@@ -223,7 +233,9 @@ class Worker:
         busy = False
         while True:
             storage = self.storage
-            idle_ms = 1000 if storage is None or not storage.waiting() else 2
+            idle_ms = 1000
+            if storage is not None:  # prefetches to land soon; pins to release now and then
+                idle_ms = 2 if storage.waiting() else 50 if storage.pinning() else 1000
             self.drain(None if busy else idle_ms)
             if storage is not None:
                 self._queue_fetched()
@@ -277,7 +289,11 @@ def run_scheduler(engine_config: Any, endpoints: Endpoints, ready: Any, parent_p
     worker = Worker(scheduler, runner, pull, push, engine_config.sim is not None, events, tiers)
     worker.store = store
     worker.storage = storage
-    worker.loop()
+    try:
+        worker.loop()
+    finally:  # the writer's jobs dropped, their pins released
+        if storage is not None:
+            storage.close(scheduler.kv)
 
 
 def _kv_events(engine_config: Any, scheduler: Scheduler) -> KVEventPlane | None:

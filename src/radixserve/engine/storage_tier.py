@@ -3,8 +3,15 @@ pages written once to a KV store, and a request's next pages prefetched from it 
 tier while the request waits, so that the host tier's load brings them to the device.
 
 Who does what. The scheduler thread (``Worker``) owns the tree, the host tier and the pools:
-after a forward that completed a prompt it gathers the pages not known to be stored (one gather
-from the device pool) and hands them to the writer thread; on a new request it asks the tree
+after a forward that completed a prompt it computes the prompt's chunk keys, pins the tree path
+that holds the chunks not known to be stored (``KVManager.pin``: not evicted, so their device
+slots are not reused) and queues (keys, slots, pin) for the writer thread, which asks the store
+which of them it has already, reads only the missing pages from the device pool (one gather,
+off the scheduler thread; on a GPU on a stream of its own) and writes them, handing the pin
+back first; the scheduler thread unpins between steps (``release_pins``), so the tree is only
+ever touched by it. A pinned path is like a running request's prefix: not room for others until
+it is released; the pins out are bounded (half the device pool or one prompt, whichever is
+more, and ``write_queue_pages``), so a hung store keeps at most that much from eviction. On a new request it asks the tree
 how much of the prompt either tier holds, and hands the chunk keys after that to the prefetch
 thread; between steps it takes finished prefetches (``poll``): host slots are allocated, the
 bytes copied in, the pages inserted as host-only nodes (``cache.insert_host``), and a request
@@ -15,8 +22,8 @@ others are admitted meanwhile.
 Prefetch policies (SGLang's): ``best_effort`` queues the request at once (what has landed when
 it is admitted is used; later pages still land for the next request), ``wait_complete`` holds it
 until the prefetch ends, ``timeout`` holds it at most 2 s + 0.1 s per 1,024 tokens looked up,
-capped at 30 s. Writes are bounded (``write_queue_pages``): a full queue drops the pages, counted
-(the store is a cache). Every loaded page has passed the backend's header check (namespace, key,
+capped at 30 s. Writes are bounded (``write_queue_pages``, and the pinned tokens): a full queue
+drops the pages, counted, pinning nothing (the store is a cache). Every loaded page has passed the backend's header check (namespace, key,
 size, checksum): a refused or missing page ends the prefetch there; the rest is recomputed.
 """
 
@@ -33,12 +40,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.cache.hashing import ALGORITHMS, KVNamespace, page_keys
+from radixserve.cache.node import path_slots
 
 log = logging.getLogger("radixserve.engine")
 
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 OWN_KEYS = {"chunk_size": 256, "hash_algo": "sha256_cbor", "seed": 0, "write_queue_pages": 4096}
-KNOWN_KEYS_MAX = 1 << 17  # keys remembered as stored (never gathered again while remembered)
+KNOWN_KEYS_MAX = 1 << 17  # keys remembered as stored (never offered again while remembered)
 PRIVATE_PREFIX = "prompt-logprobs:"  # a request's own namespace: nobody else could reuse it
 
 
@@ -124,6 +132,20 @@ class _Fetch:
 
 
 @dataclass(slots=True)
+class _Write:
+    """One prompt's pages for the writer: their keys and device slots (a page each), the tree
+    node pinned for them (released by the scheduler thread once ``read``), and the tokens
+    that pin keeps."""
+
+    keys: list[str]
+    slots: list[Any]
+    node: Any
+    tokens: int
+    ready: Any  # the pool's device_ready() after the forward that wrote them
+    read: bool = False
+
+
+@dataclass(slots=True)
 class StorageCounts:
     """What /metrics shows of the storage tier (monotonic counts, and whether it is up)."""
 
@@ -135,6 +157,8 @@ class StorageCounts:
     storage_prefetch_tokens: int = 0  # tokens landed in the host tier from the store
     storage_write_dropped_pages: int = 0  # not written: the writer's queue was full
     storage_pages_written: int = 0
+    storage_pages_gathered: int = 0  # pages read from the device pool for the writer
+    storage_write_pinned_tokens: int = 0  # device tokens pinned for the writer now
     storage_bytes_written: int = 0
     storage_pages_read: int = 0
     storage_bytes_read: int = 0
@@ -172,8 +196,12 @@ class StorageTier:
         self.loaded: dict[str, int] = {}  # rid -> tokens its prefetch landed (for its report)
         self._done: queue.SimpleQueue[_Fetch] = queue.SimpleQueue()
         self._fetch_q: queue.SimpleQueue[_Fetch | None] = queue.SimpleQueue()
-        self._write_q: queue.SimpleQueue[tuple[list[str], list[Any]] | None] = queue.SimpleQueue()
+        self._write_q: queue.SimpleQueue[_Write | None] = queue.SimpleQueue()
+        self._read: queue.Queue[_Write] = queue.Queue()  # jobs whose pages were read: unpin
         self._write_pages = 0  # pages queued for the writer, not yet written
+        self._pinned_tokens = 0  # scheduler thread only: tokens the queued jobs' pins keep
+        self._pins_out = 0  # jobs whose pin the scheduler thread has not released
+        self._closing = False
         self._threads = [
             threading.Thread(target=self._run_fetches, name="kv-storage-fetch", daemon=True),
             threading.Thread(target=self._run_writes, name="kv-storage-write", daemon=True),
@@ -220,11 +248,11 @@ class StorageTier:
                 self.known.pop(k, None)
 
     # -- writes ----------------------------------------------------------------------------------
-    def offer_write(
-        self, ids: Sequence[int], namespace: Hashable | None, slots: Sequence[int]
-    ) -> None:
-        """A prompt whose KV is now in the device pool at ``slots``: its whole chunks not known
-        to be stored are gathered now and written by the writer thread (never waited for)."""
+    def offer_write(self, ids: Sequence[int], namespace: Hashable | None, kv: Any) -> None:
+        """A prompt a forward just completed, now in the tree (``kv``: the scheduler's
+        ``sched.kv.KVManager``; called after ``on_output``): its whole chunks not known to be
+        stored are queued for the writer thread, with their slots pinned (never read here:
+        the writer reads the ones the store lacks). Never waits."""
         n = len(ids) - len(ids) % self.chunk
         if n < self.chunk:
             return
@@ -236,35 +264,79 @@ class StorageTier:
             todo = [i for i, k in enumerate(keys) if k not in self.known]
         if not todo:
             return
-        if self._write_pages + len(todo) > self.settings.write_queue_pages:
+        chunk = self.chunk
+        node, length = kv.cache.device_prefix(ids[: (todo[-1] + 1) * chunk], namespace)
+        todo = [i for i in todo if (i + 1) * chunk <= length]  # the pages the device holds
+        if not todo:
+            return
+        slots = path_slots(node)  # the pin keeps the whole path: the node may go on past them
+        limit = min(self.settings.write_queue_pages * chunk, kv.total // 2)
+        if self._write_pages + len(todo) > self.settings.write_queue_pages or (
+            self._pins_out and self._pinned_tokens + len(slots) > limit  # one always may
+        ):
             self.counts.storage_write_dropped_pages += len(todo)
             return
-        chunk = self.chunk
-        page_slots = [s for i in todo for s in slots[i * chunk : (i + 1) * chunk]]
-        pages = self.pool.read_device_pages(page_slots, chunk)
+        page_slots = [slots[i * chunk : (i + 1) * chunk] for i in todo]
+        kv.pin(node)
+        self._pinned_tokens += len(slots)
+        self._pins_out += 1
         new = [keys[i] for i in todo]
-        self._remember(new)  # queued: not gathered again meanwhile (forgotten if it fails)
+        self._remember(new)  # queued: not offered again meanwhile (forgotten if it fails)
         with self._known_lock:
             self._write_pages += len(new)
-        self._write_q.put((new, pages))
+        self._write_q.put(_Write(new, page_slots, node, len(slots), self.pool.device_ready()))
+
+    def release_pins(self, kv: Any, wait_s: float = 0.0) -> int:
+        """Scheduler thread, between steps: unpin the jobs whose pages the writer has read
+        (waiting up to ``wait_s`` for all of them: a flush). Returns the pins still out."""
+        deadline = time.monotonic() + wait_s
+        while self._pins_out:
+            try:
+                timeout = max(0.0, deadline - time.monotonic())
+                job = self._read.get(timeout=timeout) if timeout else self._read.get_nowait()
+            except queue.Empty:
+                break
+            kv.unpin(job.node)
+            self._pinned_tokens -= job.tokens
+            self._pins_out -= 1
+        return self._pins_out
+
+    def pinning(self) -> bool:
+        """Pins out (the scheduler loop then polls now and then to release them)."""
+        return bool(self._pins_out)
 
     def _run_writes(self) -> None:
         while (job := self._write_q.get()) is not None:
-            keys, pages = job
             try:
-                self._write(keys, pages)
+                self._write(job)
             except Exception as e:  # the store never takes the engine down
-                self._forget(keys)
+                self._forget(job.keys)
                 log.warning("storage tier: write failed: %r", e)
             finally:
+                if not job.read:
+                    self._hand_back(job)
                 with self._known_lock:
-                    self._write_pages -= len(keys)
+                    self._write_pages -= len(job.keys)
 
-    def _write(self, keys: list[str], pages: list[Any]) -> None:
-        skip = self.backend.exists_prefix(keys)  # written once: what is there is not sent again
-        stored = skip
+    def _hand_back(self, job: _Write) -> None:
+        job.read, job.slots = True, []
+        self._read.put(job)
+
+    def _write(self, job: _Write) -> None:
+        if self._closing:
+            self._forget(job.keys)
+            return
+        keys = job.keys
+        skip = self.backend.exists_prefix(keys)  # written once: what is there is not read
+        pages: list[Any] = []
         if skip < len(keys):
-            stored += self.backend.put_pages(keys[skip:], pages[skip:])
+            slots = [s for page in job.slots[skip:] for s in page]
+            pages = self.pool.read_device_pages(slots, self.chunk, job.ready)
+            self.counts.storage_pages_gathered += len(pages)
+        self._hand_back(job)  # read: the scheduler may unpin them
+        stored = skip
+        if pages:
+            stored += self.backend.put_pages(keys[skip:], pages)
         if stored < len(keys):
             self._forget(keys[stored:])
 
@@ -383,13 +455,19 @@ class StorageTier:
         c.storage_pages_written, c.storage_bytes_written = st.pages_written, st.bytes_written
         c.storage_pages_read, c.storage_bytes_read = st.pages_read, st.bytes_read
         c.storage_refused_pages = sum(st.refused.values())
+        c.storage_write_pinned_tokens = self._pinned_tokens
         out = {k: getattr(c, k) for k in c.__dataclass_fields__ if k != "extra"}
         out["storage_up"] = int(self.backend.available)
         return out
 
-    def close(self) -> None:
+    def close(self, kv: Any = None) -> None:
+        """Stop both threads (jobs still queued are dropped, not written) and release every
+        pin their pages held (``kv``: the scheduler's KVManager, when the tree lives on)."""
+        self._closing = True
         self._fetch_q.put(None)
         self._write_q.put(None)
         for t in self._threads:
             t.join(5)
+        if kv is not None:
+            self.release_pins(kv)
         self.backend.close()

@@ -3,6 +3,7 @@ pool that the scheduler's ``Batch.kv_copies`` list (applied before the batch's f
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,6 +25,7 @@ class HostKVPool:
         self.device_pool = device_pool
         self.kv = torch.zeros(shape, dtype=src.dtype, device="cpu", pin_memory=pin)
         self.bytes_stored = self.bytes_loaded = 0
+        self._streams: dict[int, Any] = {}  # per reading thread, on a GPU (read_device_pages)
 
     @property
     def nbytes(self) -> int:
@@ -57,14 +59,44 @@ class HostKVPool:
             self.bytes_loaded += len(dst) * self.bytes_per_slot
 
     # -- pages of the storage tier (engine.storage_tier) -------------------------------------
-    def read_device_pages(self, slots: Sequence[int], chunk: int) -> list[memoryview]:
+    def device_ready(self) -> Any:
+        """Called by the scheduler thread after a forward: what a reader on another thread
+        waits for before reading the KV that forward wrote (a CUDA event on the current stream;
+        None on the CPU, where the forward has returned with its writes done)."""
+        if self.device_pool.kv.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def read_device_pages(
+        self, slots: Sequence[int], chunk: int, ready: Any = None
+    ) -> list[memoryview]:
         """The device pool's KV at ``slots`` (a whole number of ``chunk``-token pages) as one
         byte view per page, each laid out ``[layers, 2, chunk, heads, dim]`` (the namespace's
-        layout), from one gather."""
+        layout), from one gather. Safe on a thread other than the scheduler's while those slots
+        are kept (pinned): on a GPU it runs on a stream of its own after ``ready``
+        (``device_ready``'s event), so the forwards that follow are not held up by it."""
         pool = self.device_pool
-        data = pool.read_slots(_ids(list(slots), pool.kv.device)).to("cpu")
-        k = len(slots) // chunk
-        layers, two, _, *tail = data.shape
+        device = pool.kv.device
+        if device.type != "cuda":
+            return self._pages(pool.read_slots(_ids(list(slots), device)), chunk)
+        stream = self._streams.get(threading.get_ident())
+        if stream is None:
+            stream = self._streams[threading.get_ident()] = torch.cuda.Stream(device)
+        with torch.cuda.stream(stream):
+            if ready is not None:
+                stream.wait_event(ready)
+            else:
+                stream.wait_stream(torch.cuda.default_stream(device))
+            data = pool.read_slots(_ids(list(slots), device)).to("cpu")  # synchronizes
+        return self._pages(data, chunk)
+
+    @staticmethod
+    def _pages(data: torch.Tensor, chunk: int) -> list[memoryview]:
+        data = data.to("cpu")
+        layers, two, n, *tail = data.shape
+        k = n // chunk
         pages = data.view(layers, two, k, chunk, *tail).movedim(2, 0).contiguous()
         raw = pages.view(torch.uint8).view(k, -1).numpy()
         return [memoryview(raw[i]) for i in range(k)]

@@ -33,6 +33,7 @@ class KVManager:
         self.cache = RadixCache(config, self.host)
         self.allocator = SlotAllocator(config.max_total_tokens, config.page_size)
         self.table = RequestSlotTable(self.allocator)
+        self.pins: dict[TreeNode, int] = {}  # nodes locked for a reader outside the scheduler
 
     @property
     def total(self) -> int:
@@ -70,6 +71,21 @@ class KVManager:
     def unlock(self, node: Any) -> None:
         if node is not None:
             self.cache.unlock(node)
+
+    def pin(self, node: TreeNode) -> None:
+        """Lock ``node`` (and its path) for a reader outside the scheduler (the storage tier's
+        writer reading their device KV): not evicted, so their slots are not reused, until
+        ``unpin``. Like a running request's prefix, a pinned path is not room for others."""
+        self.cache.lock(node)
+        self.pins[node] = self.pins.get(node, 0) + 1
+
+    def unpin(self, node: TreeNode) -> None:
+        count = self.pins[node]
+        if count == 1:
+            del self.pins[node]
+        else:
+            self.pins[node] = count - 1
+        self.cache.unlock(node)
 
     def open(self, req: Req) -> None:
         """Give an admitted request its cached prefix (``req.match_node``, already locked)."""
@@ -165,7 +181,8 @@ class KVManager:
         return keys
 
     def flush(self) -> None:
-        """Drop the whole tree (callers make sure nothing is locked)."""
+        """Drop the whole tree (callers make sure nothing is locked or pinned)."""
+        assert not self.pins, "flush with pinned nodes"
         self.allocator.free(self.cache.reset())
 
     # -- integrity ---------------------------------------------------------------------------
@@ -185,10 +202,10 @@ class KVManager:
 
     def _check_locks(self, running: list[Req]) -> None:
         want: dict[TreeNode, int] = {}
-        for req in running:
-            node = req.locked_node
+        held = [(req.locked_node, 1) for req in running]
+        for node, count in [*held, *self.pins.items()]:
             while node is not None and not node.is_root:
-                want[node] = want.get(node, 0) + 1
+                want[node] = want.get(node, 0) + count
                 node = node.parent
         stack = [self.cache.root]
         while stack:

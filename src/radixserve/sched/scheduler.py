@@ -132,8 +132,9 @@ class Scheduler:
         return self._reqs.get(rid)
 
     def flush_cache(self) -> bool:
-        """Empty the prefix cache; refused (False) while any request is waiting or running."""
-        if self._reqs or self._in_flight is not None:
+        """Empty the prefix cache; refused (False) while any request is waiting or running, or
+        a reader outside the scheduler has nodes pinned (``KVManager.pin``)."""
+        if self._reqs or self._in_flight is not None or self.kv.pins:
             return False
         self.kv.flush()
         return True

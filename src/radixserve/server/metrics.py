@@ -51,6 +51,14 @@ ENGINE_GAUGES = {
         "KV bytes written to the storage tier",
     ),
     "storage_pages_written": ("hicache_storage_pages_written", "pages written to storage"),
+    "storage_pages_gathered": (
+        "hicache_storage_pages_gathered",
+        "pages read from the device pool by the storage writer (only those the store lacked)",
+    ),
+    "storage_write_pinned_tokens": (
+        "hicache_storage_write_pinned_tokens",
+        "device tokens kept from eviction until the storage writer has read them",
+    ),
     "storage_write_dropped_pages": (
         "hicache_storage_write_dropped_pages",
         "pages not written: the writer's queue was full",
