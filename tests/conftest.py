@@ -4,9 +4,15 @@ Mooncake's trace."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+# engines the tests start run one torch thread each (before torch is imported here): several
+# engine processes and the test client share this machine's cores, and torch threads that share
+# a core stall each other (the default, one per core, is for a machine the engine has to itself)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from server_harness import ServerProcess
 

@@ -159,9 +159,19 @@ class SchedulerConfig:
         "waiting-queue order",
         choices="radixserve.sched.policy:POLICIES",  # the registry (it imports this module)
     )
-    max_prefill_tokens: int = _f(16384, "uncached prompt tokens admitted per prefill step", ge=1)
-    chunked_prefill_size: int = _f(
-        8192, "longest prefill chunk of one request (-1: no chunking)", ge=1, also=(-1,)
+    # None: by device (``for_device``): a GPU keeps SGLang's budgets, a CPU takes vLLM-CPU's
+    max_prefill_tokens: int | None = _f(
+        None,
+        "uncached prompt tokens admitted per prefill step (default: 1024 on a CPU, half "
+        "vLLM-CPU's token budget; 16384 on a GPU, as SGLang)",
+        ge=1,
+    )
+    chunked_prefill_size: int | None = _f(
+        None,
+        "longest prefill chunk of one request (-1: no chunking; default: 1024 on a CPU, "
+        "8192 on a GPU)",
+        ge=1,
+        also=(-1,),
     )
     max_running_requests: int = _f(256, "most requests running at once", ge=1)
     # Bounded by default: pure LPM holds a cold request back for as long as warm ones keep
@@ -196,8 +206,10 @@ class SchedulerConfig:
         "uncached tokens per step; the rest follow once it is cached (0: off)",
         ge=0,
     )
-    enable_mixed_chunk: bool = _f(
-        False, "run running requests' decodes in the same step as a prefill chunk"
+    enable_mixed_chunk: bool | None = _f(
+        None,
+        "run running requests' decodes in the same step as a prefill chunk (default: on for "
+        "a CPU, as vLLM's unified batches; off on a GPU, as SGLang)",
     )
 
     def __post_init__(self) -> None:
@@ -207,6 +219,25 @@ class SchedulerConfig:
         if self.min_new_token_ratio > self.new_token_ratio:
             raise ValueError(f"min_new_token_ratio ({self.min_new_token_ratio:g}) must be <= "
                              f"new_token_ratio ({self.new_token_ratio:g})")  # fmt: skip
+
+    def for_device(self, device_type: str) -> SchedulerConfig:
+        """This config with the settings left to the device filled in (``device_type``: a
+        torch device type, ``cpu`` or an accelerator's). A CPU step costs in proportion to its
+        tokens (~4 s per 1,024 on 2 cores), so on a CPU a step holds at most 1,024 new tokens
+        and carries the running decodes along, as vLLM-CPU's unified batches do: a wave of
+        long prompts no longer holds every first token until all are prefilled, and running
+        decodes wait at most one such step; an accelerator keeps SGLang's larger budgets."""
+        table = _CPU_SCHED if device_type == "cpu" else _GPU_SCHED
+        unset = {k: v for k, v in table.items() if getattr(self, k) is None}
+        return dataclasses.replace(self, **unset) if unset else self
+
+
+_CPU_SCHED = {"max_prefill_tokens": 1024, "chunked_prefill_size": 1024, "enable_mixed_chunk": True}
+_GPU_SCHED = {
+    "max_prefill_tokens": 16384,
+    "chunked_prefill_size": 8192,
+    "enable_mixed_chunk": False,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,8 +274,8 @@ class ModelConfig:
     )
     num_threads: int = _f(
         0,
-        "torch CPU threads of the model (0: one per core but one, left to the API and "
-        "detokenizer processes; torch's threads stall badly when they must share a core)",
+        "torch CPU threads of the model (0: OMP_NUM_THREADS if set, else one per core; on a "
+        "machine other processes keep busy, fewer threads avoid stalls where they share cores)",
         ge=0,
     )
 

@@ -36,6 +36,10 @@ class EngineConfig:
     sim_kv_store: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        # the scheduler's device-dependent defaults, for the device the steps run on (a
+        # simulated engine models an accelerator)
+        device = "cuda" if self.sim is not None else self.model.device.split(":")[0]
+        object.__setattr__(self, "sched", self.sched.for_device(device))
         if self.kv_events is not None:
             self.kv_events.check_page_size(self.cache.page_size)
         if self.sim_kv_store is not None:

@@ -75,7 +75,9 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         host_tokens: int = 0,
     ) -> None:
-        self.config = sched_config or SchedulerConfig()
+        # settings left to the device: a GPU's unless the caller resolved them for its own
+        # (EngineConfig does, for the model's device)
+        self.config = (sched_config or SchedulerConfig()).for_device("cuda")
         self.kv = KVManager(cache_config or CacheConfig(), host_tokens)
         check_config(self.config, self.kv.page)
         self.eos_token_ids = frozenset(eos_token_ids)

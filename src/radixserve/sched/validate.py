@@ -12,9 +12,10 @@ from radixserve.sched.request import Req, ReqState
 def check_config(cfg: SchedulerConfig, page_size: int) -> None:
     if cfg.max_running_requests < 1:
         raise ValueError("max_running_requests must be >= 1")
-    if cfg.max_prefill_tokens < page_size:
+    # (a setting left to the device, None, is filled in by SchedulerConfig.for_device)
+    if cfg.max_prefill_tokens is not None and cfg.max_prefill_tokens < page_size:
         raise ValueError(f"max_prefill_tokens must hold at least one page ({page_size} tokens)")
-    if cfg.chunked_prefill_size != -1 and cfg.chunked_prefill_size < page_size:
+    if cfg.chunked_prefill_size not in (None, -1) and cfg.chunked_prefill_size < page_size:
         raise ValueError(f"chunked_prefill_size must be -1 (off) or >= page_size ({page_size})")
     if cfg.max_wait_ms is not None and cfg.max_wait_ms < 0:
         raise ValueError("max_wait_ms must be >= 0")

@@ -159,7 +159,7 @@ class ClusterSim:
         cache_config: CacheConfig | None = None,
     ) -> None:
         self.config = config
-        self.sched_config = sched_config or SchedulerConfig()
+        self.sched_config = (sched_config or SchedulerConfig()).for_device("cuda")  # GPU presets
         self.cache_config = cache_config or default_cache_config(config)
         self.now = 0.0
         cost = self.cost = get_cost_model(config.preset)
