@@ -57,8 +57,9 @@ def workload(args: argparse.Namespace) -> list[list[int]]:
 
 
 def engine_argv(args: argparse.Namespace, cluster: MooncakeCluster | None) -> list[str]:
+    # two engines on this machine's cores: one torch thread each (threads sharing a core stall)
     argv = ["--dtype", "float32", "--max-total-tokens", str(args.device_tokens),
-            "--kv-events-config", EVENTS]  # fmt: skip
+            "--kv-events-config", EVENTS, "--num-threads", str(args.num_threads)]  # fmt: skip
     if cluster is not None:
         cfg = {"master_server_address": cluster.master_rpc,
                **backend_ports(cluster.client_env()), "chunk_size": CHUNK,
@@ -127,6 +128,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=2)
     ap.add_argument("--device-tokens", type=int, default=1280, help="--max-total-tokens per engine")
     ap.add_argument("--hicache-ratio", type=float, default=4.0)
+    ap.add_argument("--num-threads", type=int, default=1, help="torch threads per engine")
     args = ap.parse_args()
     if args.prefix % CHUNK:
         sys.exit(f"kv_tiered_workload: --prefix must be a multiple of {CHUNK}")

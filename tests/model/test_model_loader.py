@@ -204,3 +204,18 @@ def test_builtin_smollm2_knows_the_capital_of_france():
     assert chat.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
     config = json.loads((loader.resolve_model_dir(ModelConfig()) / "config.json").read_text())
     assert config["tie_word_embeddings"]
+
+
+def test_torch_threads_default_to_every_core_unless_omp_num_threads_says(monkeypatch) -> None:
+    """`serve` without --num-threads runs the model on every core this process may use, or on
+    OMP_NUM_THREADS of them when that is set (as torch itself reads it)."""
+    import os
+
+    from radixserve.model.runner import default_num_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert default_num_threads() == len(os.sched_getaffinity(0))
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert default_num_threads() == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "junk")  # not a count: the cores again
+    assert default_num_threads() == len(os.sched_getaffinity(0))

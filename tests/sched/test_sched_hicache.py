@@ -130,3 +130,33 @@ def test_lpm_counts_host_hits_a_host_only_prefix_goes_before_a_cold_request(page
     assert order[0] == "hosted", order
     assert hosted.host_cached_tokens >= 96 and cold.cached_tokens == 0
     assert_match_reference([cold, hosted], stop=())
+
+
+def test_a_chunked_prefill_loads_the_whole_host_match_at_once() -> None:
+    """Host-tier tokens are loaded, not computed, so they take no share of the step's token
+    budget: with 64-token chunks (a CPU's 1,024 in miniature) a prompt whose 160-token prefix
+    lives only in the host tier loads all 160 in its first step and computes the rest in
+    chunks, instead of loading one chunk and recomputing the remainder."""
+    rng = random.Random(3)
+    pool = 320
+    cfg = SchedulerConfig(max_prefill_tokens=64, chunked_prefill_size=64, enable_mixed_chunk=True)
+    cache = CacheConfig(max_total_tokens=pool, enable_hierarchical_cache=True, hicache_ratio=4.0,
+                        hicache_write_policy="write_through")  # fmt: skip
+    sched = Scheduler(cfg, cache, eos_token_ids=(), host_tokens=cache.host_tokens(None))
+    runner = TieredKVRunner(pool, sched.kv.host.total)
+    prefix = tokens(rng, 160)
+    sched.add_request(make_req("warm", prefix + tokens(rng, 8), 2))
+    _drain(sched, runner)
+    sched.add_request(make_req("filler", tokens(rng, 300), 2))  # pushes the prefix off the device
+    _drain(sched, runner)
+    hosted = make_req("hosted", prefix + tokens(rng, 100), 2)
+    sched.add_request(hosted)
+    assert hosted.prefix_len == 0 and hosted.host_len == 160
+    batch = sched.step()
+    assert batch is not None
+    (entry,) = batch.entries
+    assert entry.start_pos == 160 and len(entry.token_ids) == 64  # 160 loaded, a chunk computed
+    sched.on_output(batch, runner.run(batch))
+    _drain(sched, runner)
+    assert hosted.host_cached_tokens == 160
+    assert_match_reference([hosted], stop=())

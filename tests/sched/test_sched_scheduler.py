@@ -260,3 +260,57 @@ def test_stats_count_the_prefill_tokens_still_to_compute() -> None:
         batch = sched.step()
         sched.on_output(batch, runner.run(batch))
     assert sched.stats().waiting_prefill_tokens == 0
+
+
+def test_a_cpu_engine_prefills_in_1024_token_steps_beside_the_running_decodes() -> None:
+    """What `serve` on a CPU does by default (EngineConfig resolves the scheduler's settings for
+    the model's device): a long prompt arriving while another request decodes is prefilled in
+    steps of 1,024 tokens (the decode takes one of them), each carrying the running decode, so
+    that request keeps producing tokens meanwhile; on a GPU the same prompt is one 3,000-token
+    step and the decode waits."""
+    from radixserve.engine.launch import EngineConfig
+
+    cpu = EngineConfig().sched
+    gpu = SchedulerConfig().for_device("cuda")
+    assert (cpu.max_prefill_tokens, cpu.chunked_prefill_size, cpu.enable_mixed_chunk) == (
+        1024, 1024, True
+    )  # fmt: skip
+    rng = random.Random(8)
+    for cfg, want_chunks in ((cpu, [1023, 1023, 954]), (gpu, [3000])):
+        sched = Scheduler(cfg, CacheConfig(max_total_tokens=8192), eos_token_ids=(7,),
+                          context_length=8192, clock=Clock())  # fmt: skip
+        runner = KVRunner(8192)
+        short, long = make_req("short", tokens(rng, 10), 40), make_req("long", tokens(rng, 3000), 2)
+        sched.add_request(short)
+        batch = sched.step()
+        assert batch is not None
+        sched.on_output(batch, runner.run(batch))
+        sched.add_request(long)
+        chunks, decoded = [], 0
+        while long.first_token_time is None:
+            batch = sched.step()
+            assert batch is not None
+            for e in batch.entries:
+                if e.rid == "long":
+                    chunks.append(len(e.token_ids))
+                else:
+                    decoded += 1
+            sched.on_output(batch, runner.run(batch))
+        assert chunks == want_chunks
+        # the running request decoded in every step of the prefill on a CPU, in none on a GPU
+        assert decoded == (len(want_chunks) if cfg is cpu else 0)
+        drive(sched, runner)
+        for r in (short, long):
+            assert r.output_ids == reference(r.input_ids, r.sampling.max_new_tokens, stop=(7,))
+
+
+def test_device_defaults_fill_only_what_was_not_set() -> None:
+    cfg = SchedulerConfig(max_prefill_tokens=4096, enable_mixed_chunk=False)
+    cpu, gpu = cfg.for_device("cpu"), cfg.for_device("cuda")
+    assert (cpu.max_prefill_tokens, cpu.chunked_prefill_size, cpu.enable_mixed_chunk) == (
+        4096, 1024, False
+    )  # fmt: skip
+    assert (gpu.max_prefill_tokens, gpu.chunked_prefill_size, gpu.enable_mixed_chunk) == (
+        4096, 8192, False
+    )  # fmt: skip
+    assert SchedulerConfig().for_device("cuda").max_prefill_tokens == 16384

@@ -124,10 +124,14 @@ class PrefillAdder:
             return AddResult.SKIPPED
         if self.kv_short(req, req.prefix_len) > 0:
             return AddResult.NO_TOKEN
-        n = self._fit(req.fill_len - req.prefix_len, chunking=self.chunked is None)
+        # what only the host tier holds is loaded, not computed: it takes KV room but none of
+        # the step's token budget, so a chunked prefill loads the whole host match at once
+        # (at least one token is still computed)
+        loaded = max(0, min(req.host_len, req.fill_len - req.prefix_len - 1))
+        n = self._fit(req.fill_len - req.prefix_len - loaded, chunking=self.chunked is None)
         if n <= 0:
             return AddResult.FULL
-        self._commit(req, req.prefix_len, n)
+        self._commit(req, req.prefix_len, n, loaded)
         self._remember(req, req.match_node, req.match_len)
         return AddResult.ADDED
 
@@ -140,10 +144,11 @@ class PrefillAdder:
             return extend if not self.admitted else 0
         return limit - limit % self.page if chunking else 0
 
-    def _commit(self, req: Req, start: int, n: int) -> Admission:
-        adm = Admission(req, start, n)
+    def _commit(self, req: Req, start: int, n: int, loaded: int = 0) -> Admission:
+        """Admit ``loaded`` tokens to bring from the host tier and ``n`` to compute."""
+        adm = Admission(req, start, loaded + n)
         rest = req.fill_len - adm.end  # the rest of a chunked prompt is promised too
-        self.offset += self._pages(n) + rest + reserved_new_tokens(req)
+        self.offset += self._pages(loaded + n) + rest + reserved_new_tokens(req)
         self.rem_input -= n
         if self.rem_chunk is not None:
             self.rem_chunk -= n
