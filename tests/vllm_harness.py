@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-START_TIMEOUT_S = float(os.environ.get("RADIXSERVE_VLLM_START_TIMEOUT", "300"))  # s, per server
+START_TIMEOUT_S = float(os.environ.get("RADIXSERVE_VLLM_START_TIMEOUT", "600"))  # s, per server
 STOP_TIMEOUT_S = 20.0
 ENV_PYTHON = "RADIXSERVE_VLLM_PYTHON"
 
