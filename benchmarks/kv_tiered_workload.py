@@ -98,6 +98,7 @@ def run_config(name: str, args: argparse.Namespace, prompts: list[list[int]],
             results = list(pool.map(lambda ids: stream_generate(router.port, ids, args.out),
                                     prompts))  # fmt: skip
         wall = time.perf_counter() - t0
+        store = _storage_counters(engines) if cluster is not None else {}
     finally:
         if router is not None:
             router.stop()
@@ -109,8 +110,19 @@ def run_config(name: str, args: argparse.Namespace, prompts: list[list[int]],
               for t in TIERS}  # fmt: skip
     steady = ttfts[args.groups :]  # each group's first request is cold in both configurations
     return {"name": name, "ttfts": ttfts, "steady": steady, "wall": wall,
-            "rps": len(prompts) / wall, "cached": cached,
+            "rps": len(prompts) / wall, "cached": cached, "store": store,
             "prompt_tokens": sum(r[2].get("prompt_tokens", 0) for r in results)}  # fmt: skip
+
+
+def _storage_counters(engines: list[ServerProcess]) -> dict[str, float]:
+    """The engines' storage-tier counters (``/get_server_info`` stats), summed: what the store
+    did (pages written, dropped, prefetched...), beside what the requests saw."""
+    out: dict[str, float] = {}
+    for e in engines:
+        for key, value in e.stats().items():
+            if key.startswith("storage_") and isinstance(value, int | float):
+                out[key] = out.get(key, 0) + value
+    return out
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -170,6 +182,8 @@ def main() -> None:
           f"steady-state mean (each group's first request left out) "
           f"{ratio(lambda r: statistics.mean(r['steady'])):.3f}x; "
           f"throughput {ratio(lambda r: r['rps']):.2f}x (goal >= 1.5x)")  # fmt: skip
+    print("storage tier counters (both engines): "
+          + ", ".join(f"{k} {v:g}" for k, v in sorted(on["store"].items()) if v))  # fmt: skip
 
 
 if __name__ == "__main__":
