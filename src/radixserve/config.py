@@ -159,7 +159,7 @@ class SchedulerConfig:
         "waiting-queue order",
         choices="radixserve.sched.policy:POLICIES",  # the registry (it imports this module)
     )
-    # None: by device (``for_device``): a GPU keeps SGLang's budgets, a CPU takes vLLM-CPU's
+    # None: by device (``for_device``): a GPU keeps SGLang's budgets, a CPU takes smaller ones
     max_prefill_tokens: int | None = _f(
         None,
         "uncached prompt tokens admitted per prefill step (default: 1024 on a CPU, half "

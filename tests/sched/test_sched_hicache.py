@@ -103,23 +103,31 @@ def _drain(sched: Scheduler, runner: TieredKVRunner) -> list[list[str]]:
     raise AssertionError("scheduler did not go idle")
 
 
+def _host_only_prefix(
+    cfg: SchedulerConfig, pool: int, page: int, prefix_len: int, filler: int, rng: random.Random
+) -> tuple[Scheduler, TieredKVRunner, list[int]]:
+    """A scheduler with a write-through host tier 4x its pool, and a prefix it computed and
+    then lost from the device (a ``filler``-token prompt pushed it off) but keeps on the host."""
+    cache = CacheConfig(max_total_tokens=pool, page_size=page, enable_hierarchical_cache=True,
+                        hicache_ratio=4.0, hicache_write_policy="write_through")  # fmt: skip
+    sched = Scheduler(cfg, cache, eos_token_ids=(), host_tokens=cache.host_tokens(None))
+    runner = TieredKVRunner(pool, sched.kv.host.total)
+    prefix = tokens(rng, prefix_len)
+    sched.add_request(make_req("warm", prefix + tokens(rng, 8), 2))
+    _drain(sched, runner)
+    sched.add_request(make_req("filler", tokens(rng, filler), 2))  # pushes the prefix off
+    _drain(sched, runner)
+    return sched, runner, prefix
+
+
 @pytest.mark.parametrize("page", [1, 4])
 def test_lpm_counts_host_hits_a_host_only_prefix_goes_before_a_cold_request(page: int) -> None:
     """LPM orders by device + host match (SGLang's HiCache rule): a waiting request whose prefix
     lives only in the host tier is admitted before a cold one that arrived earlier, and loads
     its prefix from the host."""
     rng = random.Random(page)
-    pool = 256
     cfg = SchedulerConfig(schedule_policy="lpm", max_running_requests=1)
-    cache = CacheConfig(max_total_tokens=pool, page_size=page, enable_hierarchical_cache=True,
-                        hicache_ratio=4.0, hicache_write_policy="write_through")  # fmt: skip
-    sched = Scheduler(cfg, cache, eos_token_ids=(), host_tokens=cache.host_tokens(None))
-    runner = TieredKVRunner(pool, sched.kv.host.total)
-    prefix = tokens(rng, 120)
-    sched.add_request(make_req("warm", prefix + tokens(rng, 8), 2))
-    _drain(sched, runner)
-    sched.add_request(make_req("filler", tokens(rng, 220), 2))  # pushes the prefix off the device
-    _drain(sched, runner)
+    sched, runner, prefix = _host_only_prefix(cfg, 256, page, 120, 220, rng)
     assert sched.kv.cache.host_only_size() >= 96, "the prefix should live in the host tier only"
     cold = make_req("cold", tokens(rng, 130), 2)
     hosted = make_req("hosted", prefix + tokens(rng, 10), 2)
@@ -138,17 +146,8 @@ def test_a_chunked_prefill_loads_the_whole_host_match_at_once() -> None:
     lives only in the host tier loads all 160 in its first step and computes the rest in
     chunks, instead of loading one chunk and recomputing the remainder."""
     rng = random.Random(3)
-    pool = 320
     cfg = SchedulerConfig(max_prefill_tokens=64, chunked_prefill_size=64, enable_mixed_chunk=True)
-    cache = CacheConfig(max_total_tokens=pool, enable_hierarchical_cache=True, hicache_ratio=4.0,
-                        hicache_write_policy="write_through")  # fmt: skip
-    sched = Scheduler(cfg, cache, eos_token_ids=(), host_tokens=cache.host_tokens(None))
-    runner = TieredKVRunner(pool, sched.kv.host.total)
-    prefix = tokens(rng, 160)
-    sched.add_request(make_req("warm", prefix + tokens(rng, 8), 2))
-    _drain(sched, runner)
-    sched.add_request(make_req("filler", tokens(rng, 300), 2))  # pushes the prefix off the device
-    _drain(sched, runner)
+    sched, runner, prefix = _host_only_prefix(cfg, 320, 1, 160, 300, rng)
     hosted = make_req("hosted", prefix + tokens(rng, 100), 2)
     sched.add_request(hosted)
     assert hosted.prefix_len == 0 and hosted.host_len == 160

@@ -11,11 +11,11 @@ off the scheduler thread; on a GPU on a stream of its own) and writes them, hand
 back first; the scheduler thread unpins between steps (``release_pins``), so the tree is only
 ever touched by it. A pinned path is like a running request's prefix: not room for others until
 it is released; the pins out are bounded (half the device pool or one prompt, whichever is
-more, and ``write_queue_pages``), so a hung store keeps at most that much from eviction. On a new request it asks the tree
-how much of the prompt either tier holds, and hands the chunk keys after that to the prefetch
-thread; between steps it takes finished prefetches (``poll``): host slots are allocated, the
-bytes copied in, the pages inserted as host-only nodes (``cache.insert_host``), and a request
-that waited is queued. Only the two threads talk to the store, so a slow or dead store never
+more, and ``write_queue_pages``), so a hung store keeps at most that much from eviction. On a
+new request it asks the tree how much of the prompt either tier holds, and hands the chunk keys
+after that to the prefetch thread; between steps it takes finished prefetches (``poll``): host
+slots are allocated, the bytes copied in, the pages inserted as host-only nodes
+(``cache.insert_host``), and a request that waited is queued. Only the two threads talk to the store, so a slow or dead store never
 holds the scheduler up; a request waiting on its prefetch is not in the scheduler yet, so the
 others are admitted meanwhile.
 
@@ -23,8 +23,9 @@ Prefetch policies (SGLang's): ``best_effort`` queues the request at once (what h
 it is admitted is used; later pages still land for the next request), ``wait_complete`` holds it
 until the prefetch ends, ``timeout`` holds it at most 2 s + 0.1 s per 1,024 tokens looked up,
 capped at 30 s. Writes are bounded (``write_queue_pages``, and the pinned tokens): a full queue
-drops the pages, counted, pinning nothing (the store is a cache). Every loaded page has passed the backend's header check (namespace, key,
-size, checksum): a refused or missing page ends the prefetch there; the rest is recomputed.
+drops the pages, counted, pinning nothing (the store is a cache). Every loaded page has passed
+the backend's header check (namespace, key, size, checksum): a refused or missing page ends the
+prefetch there; the rest is recomputed.
 """
 
 from __future__ import annotations

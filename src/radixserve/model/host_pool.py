@@ -94,7 +94,7 @@ class HostKVPool:
 
     @staticmethod
     def _pages(data: torch.Tensor, chunk: int) -> list[memoryview]:
-        data = data.to("cpu")
+        """``data`` (on the CPU) cut into one byte view per ``chunk``-token page."""
         layers, two, n, *tail = data.shape
         k = n // chunk
         pages = data.view(layers, two, k, chunk, *tail).movedim(2, 0).contiguous()

@@ -126,7 +126,9 @@ class PrefillAdder:
             return AddResult.NO_TOKEN
         # what only the host tier holds is loaded, not computed: it takes KV room but none of
         # the step's token budget, so a chunked prefill loads the whole host match at once
-        # (at least one token is still computed)
+        # (at least one token is still computed). ``host_len`` is the index's hint: should the
+        # load bring fewer (no device room), this one step computes the rest, over its budget
+        # but never wrong.
         loaded = max(0, min(req.host_len, req.fill_len - req.prefix_len - 1))
         n = self._fit(req.fill_len - req.prefix_len - loaded, chunking=self.chunked is None)
         if n <= 0:
