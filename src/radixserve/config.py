@@ -259,8 +259,16 @@ class ModelConfig:
     )
     attention_backend: str = _f(
         "auto",
-        "attention kernels (auto: cpu-contig on a CPU, cuda-sdpa on a GPU; torch-gather: reference)",
-        choices=("auto", "cpu-contig", "cpu-prefix", "cuda-sdpa", "torch-gather"),
+        "attention kernels (auto: cuda-sdpa on a GPU; on a CPU cpu-paged in float32 where its "
+        "C++ kernel builds, else cpu-contig; torch-gather: reference)",
+        choices=("auto", "cpu-paged", "cpu-contig", "cpu-prefix", "cuda-sdpa", "torch-gather"),
+    )
+    cpu_kernels: str = _f(
+        "auto",
+        "radixserve's C++ kernels for float32 on a CPU, built at first use with the machine's "
+        "compiler into <weights-cache-dir>/kernels (linear layers, decode attention); off: "
+        "PyTorch's (oneDNN linears, cpu-contig attention)",
+        choices=("auto", "off"),
     )
     device: str = _f("cpu", "torch device (cpu, cuda, cuda:0, ...)", check=lambda d: _device(d))
     context_length: int | None = _f(None, "longest sequence (default: the model's)", ge=1)

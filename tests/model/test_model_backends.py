@@ -63,8 +63,14 @@ def test_kv_cache_dtype_halves_the_slot_cost(tiny):
 
 # -- the registry -------------------------------------------------------------------------------
 def test_registry_defaults_and_refusals():
-    assert set(BACKENDS) == {"cpu-contig", "cpu-prefix", "cuda-sdpa", "torch-gather"}
-    assert get_backend("auto", CPU).name == "cpu-contig"
+    assert set(BACKENDS) == {"cpu-paged", "cpu-contig", "cpu-prefix", "cuda-sdpa", "torch-gather"}
+    # float32 on a CPU: radixserve's decode kernel (this machine has a C++ compiler); a
+    # bfloat16 model or KV cache: cpu-contig, which computes in any dtype
+    assert get_backend("auto", CPU).name == "cpu-paged"
+    assert get_backend("auto", CPU, torch.bfloat16).name == "cpu-contig"
+    assert get_backend("auto", CPU, torch.float32, torch.bfloat16).name == "cpu-contig"
+    with pytest.raises(ValueError, match="'cpu-paged' computes in float32"):
+        get_backend("cpu-paged", CPU, torch.bfloat16)
     assert get_backend("auto", torch.device("cuda")).name == "cuda-sdpa"
     assert get_backend("torch-gather", CPU).name == "torch-gather"
     with pytest.raises(ValueError, match="'cuda-sdpa' runs on cuda, not on cpu"):
@@ -114,8 +120,16 @@ def shared_prefix_steps(runner: TorchRunner, steps: int = 4) -> list[torch.Tenso
     return out
 
 
-@pytest.mark.parametrize("backend", ["cpu-prefix", "cpu-contig"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    ("backend", "dtype"),
+    [
+        ("cpu-prefix", "float32"),
+        ("cpu-prefix", "bfloat16"),
+        ("cpu-contig", "float32"),
+        ("cpu-contig", "bfloat16"),
+        ("cpu-paged", "float32"),
+    ],
+)
 def test_cpu_backends_match_the_reference(tiny, dtype, backend):
     ref = shared_prefix_steps(
         TorchRunner(
@@ -193,6 +207,17 @@ def test_cpu_contig_keeps_its_buffers_right_as_the_batch_changes(
     held = runner.backend.tails.held
     # only the last step's decode (c, a 4-token tail), and only when its tail is long enough
     assert list(held) == (["c"] if budget is None and min_tail <= 4 else [])
+
+
+def test_cpu_paged_follows_batches_that_change(tiny):
+    """The kernel reads every step's contexts from the pool as they are that step (requests
+    leaving, coming back, an id reused with a new context): the logits stay the reference's."""
+    ref = changing_batches(
+        TorchRunner(ModelConfig(model=str(tiny), attention_backend="torch-gather"), num_slots=512)
+    )
+    runner = TorchRunner(ModelConfig(model=str(tiny), attention_backend="cpu-paged"), 512)
+    for step, (a, b) in enumerate(zip(changing_batches(runner), ref, strict=True)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=f"step {step}")
 
 
 def test_cpu_contig_reads_a_prefix_run_in_place():

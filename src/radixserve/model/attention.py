@@ -17,23 +17,32 @@ Backends (``--attention-backend``, see ``BACKENDS``):
   a buffer of its own, filled from the pool once and extended by one token per step, so the
   flash kernel reads it in place; a shared prefix that is one run of slots is read from the
   pool in place too.
+- ``cpu-paged`` (CPU default in float32): decodes through radixserve's C++ kernel
+  (``model/kernels.py``), which reads every decode's context from the pool in place by slot, one
+  call per layer for all of them; spans as in ``cpu-prefix``.
 - ``torch-gather``: the reference: gather every decode's whole context per layer, spans with
   K/V expanded to every query head.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from array import array
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from radixserve.model.kernels import CpuKernels, load_cpu_kernels
 from radixserve.model.kv_pool import KVPool
 from radixserve.sched.batch import BatchEntry
+
+logger = logging.getLogger(__name__)
 
 # decodes share a prefix group only when it is at least this long (shorter: not worth a call)
 MIN_SHARED_PREFIX = 32
@@ -76,6 +85,9 @@ class DecodeGroup:
     # (rows ``short``, in ``slots`` / ``mask`` as above)
     tails: list[Tail | None] = field(default_factory=list)
     short: torch.Tensor | None = None
+    # cpu-paged: every row's whole context, concatenated ([sum of lengths] pool slots), and
+    # where each row's starts ([rows + 1])
+    paged: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass(slots=True)
@@ -110,10 +122,13 @@ def build_plan(
     dtype: torch.dtype,
     share_prefixes: bool = False,
     pad_tails: bool = True,
+    paged: bool = False,
 ) -> StepPlan:
     """Lay a batch's entries out as rows (decodes first) and precompute slots and masks;
     ``share_prefixes`` finds decodes that share leading slots (for ``cpu-prefix``);
-    ``pad_tails=False`` leaves the decodes' padded slots and mask out (``cpu-contig``)."""
+    ``pad_tails=False`` leaves the decodes' padded slots and mask out (``cpu-contig``);
+    ``paged`` gives the decodes their whole contexts as one slot list instead (``cpu-paged``:
+    no padding, no shared prefixes)."""
     for e in entries:
         _check_entry(e)
     decodes = [i for i, e in enumerate(entries) if len(e.token_ids) == 1]
@@ -141,9 +156,9 @@ def build_plan(
         positions=as_tensor(pos),
         write_slots=as_tensor(write),
         last_rows=last_rows,
-        decode=_decode_group(
-            [entries[i] for i in decodes], device, dtype, share_prefixes, pad_tails
-        ),
+        decode=_paged_group([entries[i] for i in decodes], device)
+        if paged
+        else _decode_group([entries[i] for i in decodes], device, dtype, share_prefixes, pad_tails),
         spans=spans,
         span_prefixes=span_prefixes,
     )
@@ -175,6 +190,18 @@ def _decode_group(
         [e.slots[s:] for e, s in zip(entries, starts, strict=True)], device, dtype
     )
     return DecodeGroup(len(entries), slots, mask, prefixes, starts)
+
+
+def _paged_group(entries: list[BatchEntry], device: torch.device) -> DecodeGroup | None:
+    if not entries:
+        return None
+    offsets = [0]
+    for e in entries:
+        offsets.append(offsets[-1] + e.seq_len)
+    flat = torch.tensor(list(chain.from_iterable(e.slots for e in entries)), dtype=torch.int64)
+    group = DecodeGroup(len(entries), torch.empty(0), None)
+    group.paged = (flat.to(device), torch.tensor(offsets, dtype=torch.int64, device=device))
+    return group
 
 
 def _padded_tails(
@@ -458,6 +485,48 @@ class CpuContig(CpuPrefix):
         return _attend_decode_tails(q[:b], k[:b], v[:b], group, kv, layer)
 
 
+class CpuPaged(CpuPrefix):
+    """Decodes through radixserve's C++ kernel (``model/kernels.py``): one call per layer
+    reads every decode's context from the pool in place, by slot, with the (row, KV head)
+    pairs shared out over the torch threads; no gather, no padding, no per-request buffer.
+    Float32 weights and KV only. Prefill spans as in ``cpu-prefix``."""
+
+    name = "cpu-paged"
+
+    def __init__(self, kernels: CpuKernels) -> None:
+        self.kernels = kernels
+        self.scale = 1.0
+
+    def bind(self, kv: KVPool) -> None:
+        if kv.kv.dtype != torch.float32:
+            raise ValueError(
+                f"attention backend 'cpu-paged' computes in float32, not {kv.kv.dtype} "
+                "(use cpu-contig)"
+            )
+        self.scale = kv.kv.shape[4] ** -0.5
+
+    def plan(
+        self, entries: Sequence[BatchEntry], device: torch.device, dtype: torch.dtype
+    ) -> StepPlan:
+        if dtype != torch.float32:
+            raise ValueError(f"attention backend 'cpu-paged' computes in float32, not {dtype}")
+        return build_plan(entries, device, dtype, share_prefixes=True, paged=True)
+
+    def _attend_decodes(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: DecodeGroup, kv: KVPool,
+        layer: int,
+    ) -> torch.Tensor:  # fmt: skip
+        assert group.paged is not None
+        b = group.size
+        qd = q[:b].contiguous()
+        out = torch.empty_like(qd)
+        slots, offsets = group.paged
+        self.kernels.decode_attention(
+            qd, kv.kv[layer, 0], kv.kv[layer, 1], slots, offsets, self.scale, out
+        )
+        return out.view(b, -1)
+
+
 class TailBuffers:
     """The running decodes' contexts (from the start of their own tail), contiguous and
     head-major, one buffer per request: built from the pool once (when a request starts
@@ -534,27 +603,59 @@ class TailBuffers:
 
 _CUDA_SDPA_KERNELS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 BACKENDS: dict[str, type[TorchGather]] = {
-    b.name: b for b in (CpuContig, CpuPrefix, CudaSdpa, TorchGather)
+    b.name: b for b in (CpuPaged, CpuContig, CpuPrefix, CudaSdpa, TorchGather)
 }
 BACKEND_CHOICES = ("auto", *BACKENDS)
+DEFAULT_KERNEL_DIR = "~/.cache/radixserve"
 
 
-def get_backend(name: str, device: torch.device) -> TorchGather:
-    """The backend called ``name`` (``auto``: the device's default); ValueError when it does
-    not run on ``device``."""
+def get_backend(
+    name: str,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+    kv_dtype: torch.dtype | None = None,
+    kernel_dir: str | os.PathLike[str] = DEFAULT_KERNEL_DIR,
+    use_kernels: bool = True,
+) -> TorchGather:
+    """The backend called ``name`` for a model computing in ``dtype`` with its KV cache in
+    ``kv_dtype`` (default: ``dtype``). ``auto``: ``cuda-sdpa`` on a GPU; on a CPU ``cpu-paged``
+    in float32 where its kernel builds (into ``kernel_dir``) unless ``use_kernels`` is False,
+    else ``cpu-contig``. ValueError when the backend does not run on ``device``, at these
+    dtypes, or (``cpu-paged``) cannot be built."""
+    kv_dtype = kv_dtype or dtype
+    f32 = dtype == kv_dtype == torch.float32
     if name == "auto":
-        name = "cuda-sdpa" if device.type == "cuda" else "cpu-contig"
+        if device.type == "cuda":
+            name = "cuda-sdpa"
+        elif not f32 or not use_kernels:
+            name = "cpu-contig"
+        else:
+            kernel = load_cpu_kernels(kernel_dir)
+            if isinstance(kernel, CpuKernels):
+                return CpuPaged(kernel)
+            logger.warning("attention: the cpu-paged kernel is not available (%s); "
+                           "using cpu-contig", kernel)  # fmt: skip
+            name = "cpu-contig"
     if name not in BACKENDS:
         raise ValueError(
             f"unknown attention backend {name!r} (choose from {', '.join(BACKEND_CHOICES)})"
         )
-    backend = BACKENDS[name]()
-    if device.type not in backend.devices:
+    cls = BACKENDS[name]
+    if device.type not in cls.devices:
         raise ValueError(
-            f"attention backend {name!r} runs on {' or '.join(backend.devices)}, "
-            f"not on {device.type}"
+            f"attention backend {name!r} runs on {' or '.join(cls.devices)}, not on {device.type}"
         )
-    return backend
+    if cls is CpuPaged:
+        if not f32:
+            raise ValueError(
+                f"attention backend 'cpu-paged' computes in float32, not {dtype} weights with a "
+                f"{kv_dtype} KV cache (use cpu-contig)"
+            )
+        kernel = load_cpu_kernels(kernel_dir)
+        if isinstance(kernel, str):
+            raise ValueError(f"attention backend 'cpu-paged': {kernel}")
+        return CpuPaged(kernel)
+    return cls()
 
 
 _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu

@@ -13,26 +13,33 @@ import torch.nn.functional as F
 from radixserve.model import rope
 from radixserve.model.arch import ModelArch
 from radixserve.model.attention import AttentionBackend, StepPlan, TorchGather
+from radixserve.model.kernels import CpuKernels, PackedWeight
 from radixserve.model.kv_pool import KVPool
 
 
 class Linear:
-    """``x @ weight.T + bias``. On a CPU in float32 the weight is reordered once into oneDNN's
-    blocked layout and multiplied by oneDNN, as vLLM-CPU does (MKL's ``F.linear`` re-reads the
-    plain layout every call: oneDNN was up to 2-4x faster at 8-32 rows here, equal at 700);
-    the plain weight is then not kept."""
+    """``x @ weight.T + bias``. On a CPU in float32 the weight is packed once: for radixserve's
+    kernel (``model/kernels.py``: 1.5-1.7x oneDNN at decode batches) where it builds, else into
+    oneDNN's blocked layout, multiplied by oneDNN as vLLM-CPU does (MKL's ``F.linear`` re-reads
+    the plain layout every call: oneDNN was up to 2-4x faster at 8-32 rows here, equal at 700).
+    The plain weight is then not kept."""
 
-    __slots__ = ("name", "out_features", "weight", "bias", "packed")
+    __slots__ = ("name", "out_features", "weight", "bias", "packed", "kernels", "ours")
 
     def __init__(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None,
-                 onednn: bool) -> None:  # fmt: skip
+                 onednn: bool, kernels: CpuKernels | None = None) -> None:  # fmt: skip
         self.name = name
         self.out_features = weight.shape[0]
         self.bias = bias
-        self.packed = _onednn_pack(weight) if onednn else None
-        self.weight = None if onednn else weight
+        self.kernels = kernels
+        self.ours: PackedWeight | None = kernels.pack(weight) if kernels is not None else None
+        self.packed = _onednn_pack(weight) if onednn and kernels is None else None
+        self.weight = None if onednn or kernels is not None else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ours is not None:
+            y = self.kernels.linear(x, self.ours)  # type: ignore[union-attr]
+            return y if self.bias is None else y.add_(self.bias)
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         if x.shape[0] == 0:
@@ -65,7 +72,10 @@ class LlamaModel:
         device: torch.device,
         backend: AttentionBackend | None = None,
         kv_dtype: torch.dtype | None = None,
+        kernels: CpuKernels | None = None,
     ) -> None:
+        """``kernels``: radixserve's CPU kernels for the linear layers (float32 on a CPU only;
+        None: PyTorch's)."""
         self.arch = arch
         self.dtype = dtype
         self.kv_dtype = kv_dtype or dtype
@@ -79,12 +89,15 @@ class LlamaModel:
         self.norm = get("model.norm.weight")
         tied = arch.tie_word_embeddings or "lm_head.weight" not in tensors
         self.lm_head = self.embed if tied else get("lm_head.weight")
-        # the LM head (the largest matmul of a decode step) through oneDNN with its weight
-        # prepacked once, as vLLM-CPU does: about 2x MKL's F.linear at 8-32 rows on AVX2
-        self.lm_head_packed = _onednn_pack(self.lm_head) if _use_onednn(device, dtype) else None
         onednn = _use_onednn(device, dtype)
+        if kernels is not None and not (device.type == "cpu" and dtype == torch.float32):
+            raise ValueError("radixserve's CPU kernels compute float32 on a CPU only")
+        # the LM head (the largest matmul of a decode step) packed once, for our kernel or for
+        # oneDNN as vLLM-CPU does (oneDNN: about 2x MKL's F.linear at 8-32 rows on AVX2)
+        self.lm_head_linear = Linear("lm head", self.lm_head, None, onednn, kernels)
         self.layers = [
-            _layer(tensors, f"model.layers.{i}.", get, onednn) for i in range(arch.num_layers)
+            _layer(tensors, f"model.layers.{i}.", get, onednn, kernels)
+            for i in range(arch.num_layers)
         ]
         factors = tensors.get("rope_freqs")
         self.inv_freq = rope.inv_freq(arch, factors).to(device)
@@ -109,9 +122,7 @@ class LlamaModel:
         return self._lm_head(self._rms_norm(hidden, self.norm)).float()
 
     def _lm_head(self, x: torch.Tensor) -> torch.Tensor:
-        if self.lm_head_packed is not None and x.shape[0] > 0:
-            return torch.ops.mkldnn._linear_pointwise(x, self.lm_head_packed, None, "none", [], "")
-        return F.linear(x, self.lm_head)
+        return self.lm_head_linear(x)
 
     def _layer_forward(
         self,
@@ -158,6 +169,7 @@ def _layer(
     prefix: str,
     get: Callable[[str], torch.Tensor],
     onednn: bool = False,
+    kernels: CpuKernels | None = None,
 ) -> LayerWeights:
     attn = prefix + "self_attn."
     mlp = prefix + "mlp."
@@ -175,10 +187,10 @@ def _layer(
     o_bias = attn + "o_proj.bias"
     return LayerWeights(
         input_norm=get(prefix + "input_layernorm.weight"),
-        qkv=Linear("qkv proj", qkv, cat(*(p + ".bias" for p in proj)), onednn),
+        qkv=Linear("qkv proj", qkv, cat(*(p + ".bias" for p in proj)), onednn, kernels),
         o=Linear("o proj", get(attn + "o_proj.weight"),
-                 get(o_bias) if o_bias in tensors else None, onednn),
+                 get(o_bias) if o_bias in tensors else None, onednn, kernels),
         post_norm=get(prefix + "post_attention_layernorm.weight"),
-        gate_up=Linear("mlp", gate_up, None, onednn),
-        down=Linear("mlp", get(mlp + "down_proj.weight"), None, onednn),
+        gate_up=Linear("mlp", gate_up, None, onednn, kernels),
+        down=Linear("mlp", get(mlp + "down_proj.weight"), None, onednn, kernels),
     )  # fmt: skip

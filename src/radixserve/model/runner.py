@@ -5,6 +5,7 @@ pool indexed by the scheduler's slot ids, and the sampler.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from radixserve.model.arch import ModelArch
 from radixserve.model.attention import StepPlan, get_backend
 from radixserve.model.dtypes import resolve_dtypes
 from radixserve.model.grammar import Grammars
+from radixserve.model.kernels import CpuKernels, load_cpu_kernels
 from radixserve.model.kv_pool import KVPool
 from radixserve.model.llama import LlamaModel
 from radixserve.model.loader import load_weights
@@ -25,6 +27,8 @@ from radixserve.modelfiles.locate import resolve_model_dir
 from radixserve.modelfiles.tokenizer import ModelInfo, load_model_info
 from radixserve.sched.batch import Batch, BatchEntry, EntryLogprobs, StepResult
 from radixserve.sched.request import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class TorchRunner:
@@ -38,17 +42,36 @@ class TorchRunner:
         self.dtype, self.kv_dtype = resolve_dtypes(
             model_config.dtype, model_config.kv_cache_dtype, model_config.device
         )
-        self.backend = get_backend(model_config.attention_backend, self.device)
+        self.kernels = self._load_kernels(model_config)
+        self.backend = get_backend(
+            model_config.attention_backend, self.device, self.dtype, self.kv_dtype,
+            kernel_dir=model_config.weights_cache_dir, use_kernels=self.kernels is not None,
+        )  # fmt: skip
         model_dir = resolve_model_dir(model_config)
         self.info: ModelInfo = load_model_info(model_dir, model_config.context_length)
         arch = read_arch(model_dir)
         self.model = LlamaModel(
-            arch, load_weights(model_dir), self.dtype, self.device, self.backend, self.kv_dtype
-        )
+            arch, load_weights(model_dir), self.dtype, self.device, self.backend, self.kv_dtype,
+            self.kernels,
+        )  # fmt: skip
         self.kv = self.model.new_kv_pool(num_slots)
         self.backend.bind(self.kv)
         self.sampler = Sampler(model_config.sampling_seed)
         self.grammars = Grammars(self.info.tokenizer, arch.vocab_size, self.info.eos_token_ids)
+
+    def _load_kernels(self, config: ModelConfig) -> CpuKernels | None:
+        """radixserve's CPU kernels for a float32 model on a CPU (``--cpu-kernels auto``);
+        None elsewhere, when turned off, or when they cannot be built (said once, in the log)."""
+        if config.cpu_kernels == "off" or self.device.type != "cpu":
+            return None
+        if self.dtype != torch.float32:
+            return None
+        loaded = load_cpu_kernels(config.weights_cache_dir)
+        if isinstance(loaded, str):
+            logger.warning("CPU kernels not available (%s): using PyTorch's (oneDNN linears, "
+                           "cpu-contig attention)", loaded)  # fmt: skip
+            return None
+        return loaded
 
     @property
     def arch(self) -> ModelArch:

@@ -1,0 +1,158 @@
+"""radixserve's C++ CPU kernels (``model/csrc/cpu_kernels.cpp``), built with the machine's
+compiler: the linear layer computes what ``F.linear`` computes, decode attention what PyTorch's
+SDPA computes over the same K/V read from the pool by slot; where they cannot be built the
+engine says why and uses PyTorch's paths."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from radixserve.config import ModelConfig  # noqa: E402
+from radixserve.model import kernels  # noqa: E402
+from radixserve.model.attention import get_backend  # noqa: E402
+from radixserve.model.runner import TorchRunner  # noqa: E402
+from radixserve.sched.batch import Batch  # noqa: E402
+from tiny_models import build_tiny_model, entry  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    k = kernels.load_cpu_kernels(tmp_path_factory.mktemp("kernels"))
+    assert isinstance(k, kernels.CpuKernels), k
+    return k
+
+
+@pytest.mark.parametrize("rows", [0, 1, 3, 8, 9, 13, 96, 97, 200])
+@pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (37, 50), (16, 1)])
+def test_linear_matches_f_linear(kernel, rows, out_features, in_features):
+    """Every row count the tiles split differently (1-8 in one pass, 6 at a time beyond, 96 per
+    pass), widths that are not a multiple of the 16-column blocks: within float32 rounding."""
+    g = torch.Generator().manual_seed(rows * 7 + out_features)
+    w = torch.randn(out_features, in_features, generator=g)
+    x = torch.randn(rows, in_features, generator=g)
+    packed = kernel.pack(w)
+    before = torch.get_num_threads()
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        try:
+            y = kernel.linear(x, packed)
+        finally:
+            torch.set_num_threads(before)
+        assert y.shape == (rows, out_features)
+        torch.testing.assert_close(y, torch.nn.functional.linear(x, w), atol=1e-4, rtol=1e-4)
+    # a strided input (a column slice) is made contiguous first
+    wide = torch.randn(rows, in_features * 2, generator=g)
+    torch.testing.assert_close(
+        kernel.linear(wide[:, ::2], packed),
+        torch.nn.functional.linear(wide[:, ::2], w), atol=1e-4, rtol=1e-4,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="input of width"):
+        kernel.linear(torch.randn(2, in_features + 1), packed)
+
+
+def reference(q, k, v, contexts):
+    """Per row: SDPA of its query heads over the K/V at its slots (GQA by repeating heads)."""
+    rows, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    out = []
+    for r, slots in enumerate(contexts):
+        kr = k[slots].transpose(0, 1).repeat_interleave(heads // kv_heads, 0)  # [heads, L, dim]
+        vr = v[slots].transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
+        out.append(torch.nn.functional.scaled_dot_product_attention(q[r, :, None], kr, vr)[:, 0])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 8, 128), (4, 1, 32), (6, 2, 80)]
+)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kernel_matches_sdpa_over_scattered_slots(kernel, heads, kv_heads, dim, threads):
+    """Rows of 1 to 700 keys (within and across the kernel's 32-key blocks), slots scattered
+    over the pool and shared between rows, large and tiny scores: within float32 rounding."""
+    g = torch.Generator().manual_seed(heads * dim + threads)
+    num_slots = 3000
+    k = torch.randn(num_slots, kv_heads, dim, generator=g)
+    v = torch.randn(num_slots, kv_heads, dim, generator=g)
+    k[:50] *= 30  # some keys dominate their row's softmax
+    lengths = [1, 2, 31, 32, 33, 64, 257, 700]
+    perm = torch.randperm(num_slots, generator=g)
+    contexts = [perm[(i * 97) % 2000 : (i * 97) % 2000 + n] for i, n in enumerate(lengths)]
+    contexts[3][:10] = torch.arange(10)  # rows share slots (a common prefix)
+    q = torch.randn(len(lengths), heads, dim, generator=g)
+    slots = torch.cat(contexts)
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    out = torch.full_like(q, float("nan"))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        kernel.decode_attention(q, k, v, slots, offsets, dim**-0.5, out)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out, reference(q, k, v, contexts), atol=2e-5, rtol=2e-5)
+
+
+def test_kernel_refuses_heads_it_cannot_group(kernel):
+    q = torch.randn(1, 5, 64)
+    kv = torch.randn(10, 2, 64)
+    with pytest.raises(ValueError, match="5 query heads over 2 KV heads"):
+        kernel.decode_attention(
+            q, kv, kv, torch.arange(3), torch.tensor([0, 3]), 0.125, torch.empty_like(q)
+        )
+
+
+def test_a_machine_without_a_compiler_falls_back_to_cpu_contig(tmp_path, monkeypatch, caplog):
+    """auto says why and uses cpu-contig; asking for cpu-paged is refused with the reason; the
+    engine still computes what the reference does."""
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    with caplog.at_level(logging.WARNING, logger="radixserve.model.attention"):
+        backend = get_backend("auto", CPU, kernel_dir=tmp_path)
+    assert backend.name == "cpu-contig"
+    assert "cpu-paged kernel is not available" in caplog.text
+    assert "no-such-compiler" in caplog.text
+    with pytest.raises(ValueError, match="attention backend 'cpu-paged': building"):
+        get_backend("cpu-paged", CPU, kernel_dir=tmp_path)
+    broken = tmp_path / "cxx"
+    broken.write_text("#!/bin/sh\necho 'error: this compiler is broken' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    monkeypatch.setenv("CXX", str(broken))
+    with pytest.raises(ValueError, match="this compiler is broken"):
+        get_backend("cpu-paged", CPU, kernel_dir=tmp_path)
+    assert not list((tmp_path / "kernels").glob("*.so"))  # nothing half-built left behind
+
+
+def test_the_build_is_cached_and_reused(tmp_path):
+    first = kernels.load_cpu_kernels(tmp_path)
+    assert isinstance(first, kernels.CpuKernels)
+    built = list((tmp_path / "kernels").glob("cpu_kernels-*.so"))
+    assert built == [first.path]
+    mtime = first.path.stat().st_mtime_ns
+    kernels._loaded.clear()  # a new process: finds the file, does not rebuild
+    again = kernels.load_cpu_kernels(tmp_path)
+    assert isinstance(again, kernels.CpuKernels) and again.path == first.path
+    assert first.path.stat().st_mtime_ns == mtime
+
+
+def test_engine_uses_the_kernels_in_float32_unless_turned_off(tmp_path):
+    """Default float32: our linears and cpu-paged; ``--cpu-kernels off`` or bfloat16: PyTorch's
+    (oneDNN, cpu-contig); the logits agree either way."""
+    tiny = build_tiny_model("llama3", tmp_path / "tiny")
+    cfg = {"model": str(tiny), "weights_cache_dir": str(tmp_path)}
+    ours = TorchRunner(ModelConfig(**cfg), 64)
+    assert ours.backend.name == "cpu-paged" and ours.kernels is not None
+    assert ours.model.layers[0].qkv.ours is not None and ours.model.lm_head_linear.ours is not None
+    off = TorchRunner(ModelConfig(**cfg, cpu_kernels="off"), 64)
+    assert off.backend.name == "cpu-contig" and off.kernels is None
+    assert off.model.layers[0].qkv.ours is None
+    bf16 = TorchRunner(ModelConfig(**cfg, dtype="bfloat16"), 64)
+    assert bf16.backend.name == "cpu-contig" and bf16.kernels is None
+    prompt = [(7 * i + 3) % 300 + 4 for i in range(20)]
+    a = ours.logits(Batch([entry("a", prompt, 0, list(range(20)))]))
+    b = off.logits(Batch([entry("a", prompt, 0, list(range(20)))]))
+    assert a.std() > 0.1
+    torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
