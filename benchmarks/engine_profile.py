@@ -81,6 +81,13 @@ def instrument(t: Timers, run: TorchRunner, worker: Worker) -> None:
     run.kv.gather = t.wrap("attention gather", run.kv.gather)
     run.model.backend.attend = t.wrap("attention", run.model.backend.attend)
     run.model._layer_forward = t.wrap("layers", run.model._layer_forward)
+    run.model._layer_forward_fused = t.wrap("layers", run.model._layer_forward_fused)
+    k = run.model.kernels
+    if k is not None:  # our kernels: the fused small ops (rope_and_cache also writes the KV)
+        _WRAPPED_KERNELS.append(k)
+        object.__setattr__(k, "rms_norm", t.wrap("norms", k.rms_norm))
+        object.__setattr__(k, "silu_mul", t.wrap("mlp", k.silu_mul))
+        object.__setattr__(k, "rope_and_cache", t.wrap("rope", k.rope_and_cache))
     run.sampler.sample = t.wrap("sampler", run.sampler.sample)
     run.run = t.wrap("runner", run.run)
     worker.scheduler.step = t.wrap("scheduler", worker.scheduler.step)
@@ -184,6 +191,14 @@ _ORIG = {"F": llama.F, "rope": llama.rope, "Linear": llama.Linear.__call__}
 def _restore() -> None:
     llama.F, llama.rope = _ORIG["F"], _ORIG["rope"]
     llama.Linear.__call__ = _ORIG["Linear"]
+    for k in _WRAPPED_KERNELS:  # the loaded kernels are shared by every runner in the process
+        for name in ("rms_norm", "silu_mul", "rope_and_cache"):
+            if name in vars(k):
+                object.__delattr__(k, name)
+    _WRAPPED_KERNELS.clear()
+
+
+_WRAPPED_KERNELS: list = []
 
 
 def main() -> None:

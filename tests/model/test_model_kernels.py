@@ -156,3 +156,55 @@ def test_engine_uses_the_kernels_in_float32_unless_turned_off(tmp_path):
     b = off.logits(Batch([entry("a", prompt, 0, list(range(20)))]))
     assert a.std() > 0.1
     torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_small_ops_match_pytorch(kernel):
+    """rms_norm (with and without the residual add fused in), silu(gate) * up, and rope with
+    the K/V store: what the PyTorch ops compute, within float32 rounding, at a decode step's
+    rows and at a prefill chunk's (where they split over threads)."""
+    from radixserve.model import rope
+
+    g = torch.Generator().manual_seed(5)
+    for rows in (1, 8, 300):
+        x = torch.randn(rows, 576, generator=g) * 3
+        w = torch.randn(576, generator=g)
+        delta = torch.randn(rows, 576, generator=g)
+        expect = torch.nn.functional.rms_norm(x, (576,), w, eps=1e-5)
+        torch.testing.assert_close(kernel.rms_norm(x.clone(), w, 1e-5), expect)
+        summed = x + delta
+        x_in = x.clone()
+        got = kernel.rms_norm(x_in, w, 1e-5, add=delta)
+        torch.testing.assert_close(x_in, summed)  # x += delta, in place
+        torch.testing.assert_close(got, torch.nn.functional.rms_norm(summed, (576,), w, eps=1e-5))
+
+        gu = torch.randn(rows, 2 * 1536, generator=g) * 6  # silu far into both tails
+        gate, up = gu.chunk(2, dim=-1)
+        torch.testing.assert_close(
+            kernel.silu_mul(gu), torch.nn.functional.silu(gate) * up, atol=1e-5, rtol=1e-5
+        )
+
+        heads, kv_heads, dim = 9, 3, 64
+        qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=g)
+        positions = torch.randint(0, 8000, (rows,), generator=g)
+        inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+        cos, sin = rope.cos_sin(positions, inv, torch.float32)
+        qk = qkv[:, : (heads + kv_heads) * dim].reshape(rows, heads + kv_heads, dim)
+        rotated = rope.apply_rope(qk, cos, sin)
+        values = qkv[:, (heads + kv_heads) * dim :].reshape(rows, kv_heads, dim)
+        k_pool = torch.zeros(1000, kv_heads, dim)
+        v_pool = torch.zeros(1000, kv_heads, dim)
+        slots = torch.randperm(1000, generator=g)[:rows]
+        out = qkv.clone()
+        kernel.rope_and_cache(out, heads, kv_heads, dim, cos.reshape(rows, dim),
+                              sin.reshape(rows, dim), slots, k_pool, v_pool)  # fmt: skip
+        torch.testing.assert_close(
+            out[:, : (heads + kv_heads) * dim], rotated.reshape(rows, -1), atol=1e-5, rtol=1e-5
+        )
+        torch.testing.assert_close(
+            out[:, (heads + kv_heads) * dim :], qkv[:, (heads + kv_heads) * dim :]
+        )
+        torch.testing.assert_close(k_pool[slots], rotated[:, heads:], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v_pool[slots], values)
+        untouched = torch.ones(1000, dtype=torch.bool)
+        untouched[slots] = False
+        assert not k_pool[untouched].any() and not v_pool[untouched].any()

@@ -47,6 +47,8 @@ BUILD_TIMEOUT_S = 300
 _P = ctypes.c_void_p
 _I = ctypes.c_int
 _I64 = ctypes.c_int64
+_F = ctypes.c_float
+MAX_ROPE_DIM = 512  # the rope kernel's per-head scratch
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,51 @@ class CpuKernels:
                 y.data_ptr(), torch.get_num_threads(),
             )  # fmt: skip
         return y
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+        add: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """RMS norm of the rows of ``x`` ``[T, H]`` (contiguous float32) times ``weight``; with
+        ``add``, ``x += add`` first, in place (the residual add fused into the norm)."""
+        rows, width = x.shape
+        y = torch.empty_like(x)
+        delta = None
+        if add is not None:
+            delta = add.contiguous()
+            if delta.shape != x.shape:
+                raise ValueError(f"rms_norm: add {tuple(delta.shape)} to x {tuple(x.shape)}")
+        self.lib.radixserve_add_rms_norm_f32(
+            x.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(),
+            rows, width, eps, y.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        return y
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of ``gate_up`` ``[T, 2I]`` (contiguous float32): ``[T, I]``."""
+        rows, width = gate_up.shape
+        out = gate_up.new_empty(rows, width // 2)
+        self.lib.radixserve_silu_mul_f32(
+            gate_up.data_ptr(), rows, width // 2, out.data_ptr(), torch.get_num_threads()
+        )
+        return out
+
+    def rope_and_cache(
+        self, qkv: torch.Tensor, heads: int, kv_heads: int, dim: int, cos: torch.Tensor,
+        signed_sin: torch.Tensor, slots: torch.Tensor, k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+    ) -> None:  # fmt: skip
+        """Rotate the query and key heads of ``qkv`` ``[T, (heads + 2 kv_heads) * dim]``
+        (contiguous float32) in place by ``cos`` / ``signed_sin`` ``[T, dim]`` (``rope.cos_sin``'s
+        half-split form), then store each row's key and value heads at its pool slot
+        (``k_pool`` / ``v_pool`` ``[num_slots, kv_heads, dim]``, ``slots`` ``[T]``)."""
+        if dim > MAX_ROPE_DIM or dim % 2:
+            raise ValueError(f"rope_and_cache: head dim {dim} (even, at most {MAX_ROPE_DIM})")
+        self.lib.radixserve_rope_and_cache_f32(
+            qkv.data_ptr(), qkv.stride(0), qkv.shape[0], heads, kv_heads, dim,
+            cos.data_ptr(), signed_sin.data_ptr(), slots.data_ptr(), k_pool.data_ptr(),
+            v_pool.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
 
     def decode_attention(
         self,
@@ -183,4 +230,10 @@ def _bind(path: Path) -> CpuKernels:
     lib.radixserve_pack_weight.argtypes = [_P, _I, _I, _P]
     lib.radixserve_linear_f32.restype = None
     lib.radixserve_linear_f32.argtypes = [_P, _I, _I, _P, _I, _P, _I]
+    lib.radixserve_add_rms_norm_f32.restype = None
+    lib.radixserve_add_rms_norm_f32.argtypes = [_P, _P, _P, _I, _I, _F, _P, _I]
+    lib.radixserve_silu_mul_f32.restype = None
+    lib.radixserve_silu_mul_f32.argtypes = [_P, _I, _I, _P, _I]
+    lib.radixserve_rope_and_cache_f32.restype = None
+    lib.radixserve_rope_and_cache_f32.argtypes = [_P, _I64, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I]
     return CpuKernels(path, lib)

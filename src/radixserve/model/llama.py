@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from radixserve.model import rope
 from radixserve.model.arch import ModelArch
 from radixserve.model.attention import AttentionBackend, StepPlan, TorchGather
-from radixserve.model.kernels import CpuKernels, PackedWeight
+from radixserve.model.kernels import MAX_ROPE_DIM, CpuKernels, PackedWeight
 from radixserve.model.kv_pool import KVPool
 
 
@@ -90,11 +90,12 @@ class LlamaModel:
         tied = arch.tie_word_embeddings or "lm_head.weight" not in tensors
         self.lm_head = self.embed if tied else get("lm_head.weight")
         onednn = _use_onednn(device, dtype)
+        self.kernels = kernels
         if kernels is not None and not (device.type == "cpu" and dtype == torch.float32):
             raise ValueError("radixserve's CPU kernels compute float32 on a CPU only")
         # the LM head (the largest matmul of a decode step) packed once, for our kernel or for
         # oneDNN as vLLM-CPU does (oneDNN: about 2x MKL's F.linear at 8-32 rows on AVX2)
-        self.lm_head_linear = Linear("lm head", self.lm_head, None, onednn, kernels)
+        self.lm_head_linear = Linear("lm_head", self.lm_head, None, onednn, kernels)
         self.layers = [
             _layer(tensors, f"model.layers.{i}.", get, onednn, kernels)
             for i in range(arch.num_layers)
@@ -113,9 +114,23 @@ class LlamaModel:
         rows' K/V into ``kv`` at ``plan.write_slots`` on the way."""
         x = F.embedding(plan.input_ids, self.embed)
         cos, sin = rope.cos_sin(plan.positions, self.inv_freq, self.dtype)
+        if self._fused(kv):
+            cos, sin = cos.reshape(cos.shape[0], -1), sin.reshape(sin.shape[0], -1)
+            for i, layer in enumerate(self.layers):
+                x = self._layer_forward_fused(i, layer, x, cos, sin, plan, kv)
+            return x
         for i, layer in enumerate(self.layers):
             x = self._layer_forward(i, layer, x, cos, sin, plan, kv)
         return x
+
+    def _fused(self, kv: KVPool) -> bool:
+        """Our kernels for the small ops too: float32 weights and KV, a head dim they take."""
+        return (
+            self.kernels is not None
+            and kv.kv.dtype == torch.float32
+            and self.arch.head_dim % 2 == 0
+            and self.arch.head_dim <= MAX_ROPE_DIM
+        )
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[N, vocab]`` of hidden rows ``[N, hidden]``."""
@@ -146,6 +161,36 @@ class LlamaModel:
         x = x + w.o(self.backend.attend(q, k, v, plan, kv, index))
         gate, up = w.gate_up(self._rms_norm(x, w.post_norm)).chunk(2, dim=-1)
         return x + w.down(F.silu(gate) * up)
+
+    def _layer_forward_fused(
+        self,
+        index: int,
+        w: LayerWeights,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        plan: StepPlan,
+        kv: KVPool,
+    ) -> torch.Tensor:
+        """``_layer_forward`` with the small ops in our kernels (one call each instead of a few
+        PyTorch ops): norm; rope of q and k in place with the K/V written to the pool; the
+        residual add fused into the second norm; silu(gate) * up. The same arithmetic."""
+        a = self.arch
+        k = self.kernels
+        assert k is not None
+        rows = x.shape[0]
+        eps = a.rms_norm_eps
+        qkv = w.qkv(k.rms_norm(x, w.input_norm, eps))
+        k.rope_and_cache(qkv, a.num_heads, a.num_kv_heads, a.head_dim, cos, sin,
+                         plan.write_slots, kv.kv[index, 0], kv.kv[index, 1])  # fmt: skip
+        q_end = a.num_heads * a.head_dim
+        k_end = q_end + a.num_kv_heads * a.head_dim
+        q = qkv[:, :q_end].view(rows, a.num_heads, a.head_dim)
+        kk = qkv[:, q_end:k_end].view(rows, a.num_kv_heads, a.head_dim)
+        v = qkv[:, k_end:].view(rows, a.num_kv_heads, a.head_dim)
+        attn = self.backend.attend(q, kk, v, plan, kv, index)
+        h = k.rms_norm(x, w.post_norm, eps, add=w.o(attn))  # x += o(attn), in place
+        return x.add_(w.down(k.silu_mul(w.gate_up(h))))
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # one fused op; the same arithmetic as below
