@@ -11,7 +11,7 @@ median of the next ``--steps``. Every backend runs in this process on the same p
 ratios against ``torch-gather`` are same-run.
 
     python benchmarks/engine_attention.py [--batches 1 8 32] [--contexts 512 2048]
-        [--layers 8] [--steps 5] [--backends cpu-contig cpu-prefix torch-gather]
+        [--layers 8] [--steps 5] [--backends cpu-paged cpu-contig cpu-prefix torch-gather]
         [--shared-prefix 0]
 """
 
@@ -73,7 +73,9 @@ def main() -> None:
     p.add_argument("--contexts", type=int, nargs="+", default=[512, 2048])
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--backends", nargs="+", default=["cpu-contig", "cpu-prefix", "torch-gather"])
+    p.add_argument(
+        "--backends", nargs="+", default=["cpu-paged", "cpu-contig", "cpu-prefix", "torch-gather"]
+    )
     p.add_argument("--num-threads", type=int, default=1)
     p.add_argument(
         "--shared-prefix",

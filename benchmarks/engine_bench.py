@@ -21,7 +21,9 @@ higher). vLLM runs from a throwaway venv (benchmark only, never a dependency):
 Servers: ``radixserve`` and ``vllm`` run with their own defaults (radixserve's model on every
 core; vLLM-CPU keeps one core for its front end and runs one OpenMP thread per core left);
 ``radixserve-reserve1`` leaves a core as vLLM does, ``vllm-all-cores`` binds vLLM's threads to
-every core. Ratios are printed for each pair that ran.
+every core; ``radixserve-pytorch`` runs without radixserve's CPU kernels (``--cpu-kernels off``:
+oneDNN linears, ``cpu-contig`` attention, PyTorch's small ops). Ratios are printed for each pair
+that ran.
 """
 
 from __future__ import annotations
@@ -142,7 +144,7 @@ def cores() -> int:
 
 # the servers one run may compare: each one's defaults, and each with the other's thread choice
 # (radixserve's model runs on every core by default; vLLM-CPU keeps one core for its front end)
-SERVERS = ("radixserve", "radixserve-reserve1", "vllm", "vllm-all-cores")
+SERVERS = ("radixserve", "radixserve-reserve1", "radixserve-pytorch", "vllm", "vllm-all-cores")
 
 
 def server_env(name: str) -> dict[str, str]:
@@ -159,6 +161,8 @@ def server_env(name: str) -> dict[str, str]:
 def server_command(name: str, args: argparse.Namespace, port: int, model_dir: Path) -> list[str]:
     if name.startswith("radixserve"):
         threads = ["--num-threads", str(max(1, cores() - 1))] if name.endswith("reserve1") else []
+        if name.endswith("pytorch"):
+            threads = ["--cpu-kernels", "off"]
         return [sys.executable, "-m", "radixserve", "serve", "--port", str(port),
                 "--host", "127.0.0.1", "--dtype", args.dtype, *threads,
                 *shlex.split(args.radixserve_args)]  # fmt: skip
@@ -246,7 +250,9 @@ def main() -> None:
             print(f"| {WORKLOADS[key].name} | {name} | {results[name]['startup s']:.0f} | "
                   f"{cells} | {r['errors']} |")  # fmt: skip
         for ours, theirs in (("radixserve", "vllm"), ("radixserve-reserve1", "vllm"),
-                             ("radixserve", "vllm-all-cores")):  # fmt: skip
+                             ("radixserve", "vllm-all-cores"),
+                             ("radixserve-pytorch", "vllm-all-cores"),
+                             ("radixserve", "radixserve-pytorch")):  # fmt: skip
             if {ours, theirs} <= set(results):
                 a, b = results[ours][key], results[theirs][key]
                 ratios = " | ".join(f"{a[c] / b[c]:.2f}x" for c in cols)

@@ -10,7 +10,9 @@ For each batch size B: B requests share a 384-token cached prefix (as after the 
 warms; ``--prefix-groups G`` spreads them over G distinct prefixes, ``--prefix-len`` sets its
 length) and add 32 distinct prompt tokens (``--suffix-len``). The prefill step computes the
 B x 32 new tokens on the cached context; then decode steps (B rows each, contexts ~420 tokens)
-are timed and the median kept. Milliseconds per step; wrapper overhead is ~1 us per call.
+are timed and the median kept. Milliseconds per step; wrapper overhead is ~1 us per call. With
+radixserve's CPU kernels (float32 default) the K/V store happens inside the fused rope call, so
+"kv write" reads 0 and "rope" holds both.
 
     python benchmarks/engine_profile.py [--batches 1 8 32] [--decode-steps 5] [--dtype float32]
         [--attention-backend NAME]

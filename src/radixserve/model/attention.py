@@ -12,7 +12,7 @@ Backends (``--attention-backend``, see ``BACKENDS``):
   mode, so K/V are never copied per query head.
 - ``cuda-sdpa`` (CUDA default): the same SDPA calls without the prefix split (the CPU flash
   kernel that returns the log-sum-exp is CPU-only).
-- ``cpu-contig`` (CPU default): as ``cpu-prefix``, but no decode context is gathered per step:
+- ``cpu-contig`` (CPU default in bfloat16, or without our kernels): as ``cpu-prefix``, but no decode context is gathered per step:
   each running decode's context (after its shared prefix) is kept contiguous and head-major in
   a buffer of its own, filled from the pool once and extended by one token per step, so the
   flash kernel reads it in place; a shared prefix that is one run of slots is read from the

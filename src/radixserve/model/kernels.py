@@ -4,19 +4,22 @@ with the machine's C++ compiler for the machine's own instruction set and loaded
 Why kernels of our own: a decode step of a small model on a CPU is bound by reading the weights
 and the running requests' K/V once, and the PyTorch paths read them slower than the memory can
 deliver them.
-- Linear layers: oneDNN (what vLLM-CPU uses for float32) reached 6-8 GB/s of weights at 8 rows
-  on this 2-core AMD EPYC, whose memory gives 15.6 GB/s; ``radixserve_linear_f32`` streams
-  weights packed in blocks of 16 columns once per step, all rows at a time, and reached 12-14
-  GB/s (1.7x oneDNN at 8 rows, 1.5x at 1, even at 64, within 7% at 256-1024).
+- Linear layers: ``radixserve_linear_f32`` streams weights packed in blocks of 16 columns once
+  per step, all of its rows against a block at a time; on this 2-core AMD EPYC it ran 1.50x as
+  fast as oneDNN (what vLLM-CPU uses for float32) at 8 rows, 1.31x at 1, 1.34x at 32 and
+  1.04-1.10x at 256-1024 rows (``benchmarks/engine_kernels.py``).
 - Decode attention: PyTorch's CPU flash kernel, called per request, splits one decode row into
   (KV heads) work items, three for SmolLM2, so two threads share three items and every call
   pays its own start-up; a padded batched call reads K/V copied out of the pool first.
   ``radixserve_decode_attention_f32`` reads the pool in place by slot and shares (row, KV
   head) items over the threads in one call per layer.
-Both run on PyTorch's own OpenMP runtime (one thread pool). Nothing on PyPI installs such
-kernels for this torch on a CPU without AVX-512 (IPEX pins other torch releases; vLLM's and
-sgl-kernel's CPU ops come with their whole engines). ``benchmarks/engine_kernels.py`` measures
-both against the PyTorch paths.
+- The small per-layer ops (rms_norm with the residual add, rope with the K/V store, silu(gate)
+  * up) in one call each, where PyTorch runs a few ops, each its own parallel region.
+All run on PyTorch's own OpenMP runtime (one thread pool). The maintained kernel packages on
+PyPI do not fit this install: intel-extension-for-pytorch's newest release (2.8) is built for
+torch 2.8, sgl-kernel's wheels are CUDA builds, and vLLM's CPU ops come with its whole engine.
+``benchmarks/engine_kernels.py`` and ``benchmarks/engine_attention.py`` measure them against the
+PyTorch paths.
 
 The build is cached under ``<cache_dir>/kernels/`` keyed by the source, the compiler command and
 the CPU's flags (``-march=native`` code must not run on another CPU). Where it cannot be built
