@@ -43,6 +43,8 @@ SERVE = [
     (["--max-wait-ms", "soon"], "--max-wait-ms: invalid float value: 'soon'"),
     (["--sim", "no-such-gpu"], "unknown cost model 'no-such-gpu'"),
     (["--kv-events-config", "{"], "--kv-events-config: not valid JSON"),
+    (["--cpu-kernels", "off", "--attention-backend", "cpu-paged"], "cpu-paged runs radixserve's"),
+    (["--cpu-kernels", "fast"], "--cpu-kernels: invalid choice: 'fast'"),
 ]
 SIM = [
     (["--engines", "0"], "--engines must be >= 1"),

@@ -289,6 +289,11 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if self.cpu_kernels == "off" and self.attention_backend == "cpu-paged":
+            raise ValueError(
+                "--attention-backend cpu-paged runs radixserve's CPU kernels, which "
+                "--cpu-kernels off turns off: choose one"
+            )
 
 
 def choices_of(choices: tuple[str, ...] | str) -> tuple[str, ...]:

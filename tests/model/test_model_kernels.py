@@ -149,6 +149,8 @@ def test_engine_uses_the_kernels_in_float32_unless_turned_off(tmp_path):
     off = TorchRunner(ModelConfig(**cfg, cpu_kernels="off"), 64)
     assert off.backend.name == "cpu-contig" and off.kernels is None
     assert off.model.layers[0].qkv.ours is None
+    with pytest.raises(ValueError, match="cpu-paged runs radixserve's CPU kernels"):
+        ModelConfig(**cfg, cpu_kernels="off", attention_backend="cpu-paged")
     bf16 = TorchRunner(ModelConfig(**cfg, dtype="bfloat16"), 64)
     assert bf16.backend.name == "cpu-contig" and bf16.kernels is None
     prompt = [(7 * i + 3) % 300 + 4 for i in range(20)]

@@ -254,6 +254,9 @@ def run_scheduler(engine_config: Any, endpoints: Endpoints, ready: Any, parent_p
         pull.bind(endpoints.sched)
         push = ctx.socket(zmq.PUSH)
         push.connect(endpoints.detok)
+    except ValueError as e:  # a setting the runner refused (names it): one line for the user
+        ready.send(("error", f"{e}"))
+        return
     except Exception as e:  # the parent shows this to the user and exits
         ready.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         return
