@@ -70,12 +70,12 @@ const tile_fn kTiles[9] = {nullptr,         linear_tile<1>, linear_tile<2>,
 constexpr int kBlock = 32;     // keys scored per pass
 constexpr int kMaxGroup = 16;  // query heads per KV head
 
-// exp(x) for x <= 0 (scores minus their running max), by the Cody-Waite reduction and a
-// degree-6 polynomial: plain arithmetic, so the loops that call it vectorize. Relative error
-// about 2e-7; below -87 it returns 0.
+// exp(x) by the Cody-Waite reduction and a degree-6 polynomial: plain arithmetic, so the loops
+// that call it vectorize. Relative error about 2e-7; x is clamped to [-87, 88] (exp(-87) is
+// 1.6e-38: a softmax weight that small is zero to float32 sums).
 #pragma omp declare simd
-inline float exp_neg(float x) {
-  x = x < -87.f ? -87.f : x;
+inline float exp_approx(float x) {
+  x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
   const float n = std::nearbyint(x * 1.44269504088896341f);
   float r = x - n * 0.693359375f;
   r = r + n * 2.12194440e-4f;
@@ -88,7 +88,7 @@ inline float exp_neg(float x) {
   const int32_t bits = ((int32_t)n + 127) << 23;
   float scale;
   __builtin_memcpy(&scale, &bits, sizeof(scale));
-  return x <= -87.f ? 0.f : p * scale;
+  return p * scale;
 }
 
 template <int D>
@@ -122,12 +122,12 @@ void one_item(const float* __restrict q, const float* __restrict k, const float*
     for (int g = 0; g < group; ++g) {
       float mb = m[g];
       for (int j = 0; j < nb; ++j) mb = s[g][j] > mb ? s[g][j] : mb;
-      const float corr = m[g] == -INFINITY ? 0.f : exp_neg(m[g] - mb);
+      const float corr = m[g] == -INFINITY ? 0.f : exp_approx(m[g] - mb);
       float sum = 0.f;
       float* sg = s[g];
 #pragma omp simd reduction(+ : sum)
       for (int j = 0; j < nb; ++j) {
-        sg[j] = exp_neg(sg[j] - mb);
+        sg[j] = exp_approx(sg[j] - mb);
         sum += sg[j];
       }
       l[g] = l[g] * corr + sum;
@@ -239,26 +239,6 @@ int radixserve_decode_attention_f32(const float* q, const float* k, const float*
 // silu_and_mul / rotary_embedding + reshape_and_cache ops do) ---------------------------------
 namespace {
 
-// exp(x) for any float: Cody-Waite reduction and a degree-6 polynomial, plain arithmetic so
-// that loops calling it vectorize; relative error about 2e-7, clamped to [-87, 88].
-#pragma omp declare simd
-inline float exp_any(float x) {
-  x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  float r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  float p = 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  const int32_t bits = ((int32_t)n + 127) << 23;
-  float scale;
-  __builtin_memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
 // small ops split over threads only when there is enough work to pay for waking them
 constexpr int64_t kParallelMin = 1 << 16;
 
@@ -299,7 +279,7 @@ void radixserve_silu_mul_f32(const float* gu, int T, int I, float* out, int thre
     const float* u = g + I;
     float* o = out + (int64_t)t * I;
 #pragma omp simd
-    for (int i = 0; i < I; ++i) o[i] = g[i] / (1.f + exp_any(-g[i])) * u[i];
+    for (int i = 0; i < I; ++i) o[i] = g[i] / (1.f + exp_approx(-g[i])) * u[i];
   }
 }
 
