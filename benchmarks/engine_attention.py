@@ -25,12 +25,14 @@ import torch
 
 from _machine import machine_line
 from radixserve.model.attention import get_backend
+from radixserve.model.kernels import load_cpu_kernels
 from radixserve.model.kv_pool import KVPool
 from radixserve.sched.batch import BatchEntry
 from radixserve.sched.request import SamplingParams
 
 HEADS, KV_HEADS, DIM = 9, 3, 64
 CPU = torch.device("cpu")
+DEFAULT_KERNEL_DIR = "~/.cache/radixserve"  # the engine's --weights-cache-dir default
 
 
 def run_backend(name: str, b: int, length: int, args: argparse.Namespace) -> tuple[float, float]:
@@ -41,7 +43,8 @@ def run_backend(name: str, b: int, length: int, args: argparse.Namespace) -> tup
     num_slots = 4 * (args.shared_prefix + b * (length + args.steps + 2))
     pool = KVPool(args.layers, num_slots, KV_HEADS, DIM, torch.float32, CPU)
     pool.kv.normal_()
-    backend = get_backend(name, CPU)
+    kernels = load_cpu_kernels(DEFAULT_KERNEL_DIR) if name == "cpu-paged" else None
+    backend = get_backend(name, CPU, kernels=kernels)
     backend.bind(pool)
     shared = list(range(args.shared_prefix))  # one run, at the pool's start
     first = args.shared_prefix

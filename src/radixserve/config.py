@@ -266,7 +266,8 @@ class ModelConfig:
     cpu_kernels: str = _f(
         "auto",
         "radixserve's C++ kernels for float32 on a CPU, built at first use with the machine's "
-        "compiler into <weights-cache-dir>/kernels (linear layers, decode attention); off: "
+        "compiler into <weights-cache-dir>/kernels (linear layers, decode attention, norms, rope, "
+        "SiLU); off: "
         "PyTorch's (oneDNN linears, cpu-contig attention)",
         choices=("auto", "off"),
     )

@@ -17,6 +17,7 @@ from radixserve.model.attention import (  # noqa: E402
     get_backend,
 )
 from radixserve.model.dtypes import auto_dtype, resolve_dtypes  # noqa: E402
+from radixserve.model.kernels import CpuKernels, load_cpu_kernels  # noqa: E402
 from radixserve.model.runner import TorchRunner, kv_bytes_per_token  # noqa: E402
 from radixserve.sched.batch import Batch  # noqa: E402
 from tiny_models import SlotAllocator, build_tiny_model, entry  # noqa: E402
@@ -62,15 +63,22 @@ def test_kv_cache_dtype_halves_the_slot_cost(tiny):
 
 
 # -- the registry -------------------------------------------------------------------------------
-def test_registry_defaults_and_refusals():
+def test_registry_defaults_and_refusals(tmp_path):
     assert set(BACKENDS) == {"cpu-paged", "cpu-contig", "cpu-prefix", "cuda-sdpa", "torch-gather"}
-    # float32 on a CPU: radixserve's decode kernel (this machine has a C++ compiler); a
-    # bfloat16 model or KV cache: cpu-contig, which computes in any dtype
-    assert get_backend("auto", CPU).name == "cpu-paged"
-    assert get_backend("auto", CPU, torch.bfloat16).name == "cpu-contig"
-    assert get_backend("auto", CPU, torch.float32, torch.bfloat16).name == "cpu-contig"
+    # float32 on a CPU with the kernels loaded: radixserve's decode kernel; without them, or
+    # with a bfloat16 model or KV cache: cpu-contig, which computes in any dtype
+    kernels = load_cpu_kernels(tmp_path)
+    assert isinstance(kernels, CpuKernels), kernels  # this machine has a C++ compiler
+    f32 = torch.float32
+    assert get_backend("auto", CPU, f32, f32, kernels).name == "cpu-paged"
+    assert get_backend("auto", CPU).name == "cpu-contig"
+    assert get_backend("auto", CPU, f32, f32, "no compiler").name == "cpu-contig"
+    assert get_backend("auto", CPU, torch.bfloat16, None, kernels).name == "cpu-contig"
+    assert get_backend("auto", CPU, f32, torch.bfloat16, kernels).name == "cpu-contig"
     with pytest.raises(ValueError, match="'cpu-paged' computes in float32"):
-        get_backend("cpu-paged", CPU, torch.bfloat16)
+        get_backend("cpu-paged", CPU, torch.bfloat16, None, kernels)
+    with pytest.raises(ValueError, match="'cpu-paged': no compiler"):
+        get_backend("cpu-paged", CPU, f32, f32, "no compiler")
     assert get_backend("auto", torch.device("cuda")).name == "cuda-sdpa"
     assert get_backend("torch-gather", CPU).name == "torch-gather"
     with pytest.raises(ValueError, match="'cuda-sdpa' runs on cuda, not on cpu"):

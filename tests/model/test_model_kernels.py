@@ -13,7 +13,6 @@ torch = pytest.importorskip("torch")
 
 from radixserve.config import ModelConfig  # noqa: E402
 from radixserve.model import kernels  # noqa: E402
-from radixserve.model.attention import get_backend  # noqa: E402
 from radixserve.model.runner import TorchRunner  # noqa: E402
 from radixserve.sched.batch import Batch  # noqa: E402
 from tiny_models import build_tiny_model, entry  # noqa: E402
@@ -106,24 +105,34 @@ def test_kernel_refuses_heads_it_cannot_group(kernel):
         )
 
 
-def test_a_machine_without_a_compiler_falls_back_to_cpu_contig(tmp_path, monkeypatch, caplog):
-    """auto says why and uses cpu-contig; asking for cpu-paged is refused with the reason; the
-    engine still computes what the reference does."""
+def test_a_machine_without_a_compiler_falls_back_to_pytorch(tmp_path, monkeypatch, caplog):
+    """The engine says why, once, and runs PyTorch's paths (cpu-contig, oneDNN), computing what
+    the kernels compute; asking for cpu-paged is refused with the compiler's reason; nothing
+    half-built is left behind."""
+    tiny = build_tiny_model("llama3", tmp_path / "tiny")
+    prompt = [(7 * i + 3) % 300 + 4 for i in range(20)]
+    with_kernels = TorchRunner(ModelConfig(model=str(tiny), weights_cache_dir=str(tmp_path)), 64)
+    expect = with_kernels.logits(Batch([entry("a", prompt, 0, list(range(20)))]))
+    cache = tmp_path / "bare"
+    cfg = {"model": str(tiny), "weights_cache_dir": str(cache)}
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    with caplog.at_level(logging.WARNING, logger="radixserve.model.attention"):
-        backend = get_backend("auto", CPU, kernel_dir=tmp_path)
-    assert backend.name == "cpu-contig"
-    assert "cpu-paged kernel is not available" in caplog.text
-    assert "no-such-compiler" in caplog.text
+    with caplog.at_level(logging.WARNING, logger="radixserve.model"):
+        runner = TorchRunner(ModelConfig(**cfg), 64)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "no-such-compiler" in warnings[0], warnings
+    assert runner.backend.name == "cpu-contig" and runner.kernels is None
+    assert runner.model.layers[0].qkv.ours is None
+    got = runner.logits(Batch([entry("a", prompt, 0, list(range(20)))]))
+    torch.testing.assert_close(got, expect, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="attention backend 'cpu-paged': building"):
-        get_backend("cpu-paged", CPU, kernel_dir=tmp_path)
+        TorchRunner(ModelConfig(**cfg, attention_backend="cpu-paged"), 64)
     broken = tmp_path / "cxx"
     broken.write_text("#!/bin/sh\necho 'error: this compiler is broken' >&2\nexit 1\n")
     broken.chmod(0o755)
     monkeypatch.setenv("CXX", str(broken))
     with pytest.raises(ValueError, match="this compiler is broken"):
-        get_backend("cpu-paged", CPU, kernel_dir=tmp_path)
-    assert not list((tmp_path / "kernels").glob("*.so"))  # nothing half-built left behind
+        TorchRunner(ModelConfig(**cfg, attention_backend="cpu-paged"), 64)
+    assert not list((cache / "kernels").glob("*"))  # nothing half-built left behind
 
 
 def test_the_build_is_cached_and_reused(tmp_path):

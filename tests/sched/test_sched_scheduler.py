@@ -8,7 +8,7 @@ import pytest
 
 from radixserve.config import CacheConfig, SchedulerConfig
 from radixserve.sched.batch import StepResult
-from radixserve.sched.request import FinishReason, ReqState
+from radixserve.sched.request import FinishReason, Req, ReqState
 from radixserve.sched.scheduler import Scheduler
 from test_sched_support import Clock, KVRunner, drive, make_req, reference, tokens
 
@@ -162,15 +162,20 @@ def test_chunked_prefill_lets_running_requests_keep_decoding() -> None:
     assert long.output_ids == reference(long.input_ids, 4)[: len(long.output_ids)]
 
 
-def test_mixed_chunk_runs_decodes_beside_the_chunk() -> None:
-    rng = random.Random(6)
-    sched, runner = make(chunked_prefill_size=64, enable_mixed_chunk=True), KVRunner(4096)
-    short, long = make_req("short", tokens(rng, 10), 40), make_req("long", tokens(rng, 300), 4)
+def start_beside_a_decode(sched: Scheduler, runner: KVRunner, short: Req, long: Req) -> None:
+    """Prefill ``short`` (one step, so it decodes from now on), then queue ``long``."""
     sched.add_request(short)
     batch = sched.step()
     assert batch is not None
     sched.on_output(batch, runner.run(batch))
     sched.add_request(long)
+
+
+def test_mixed_chunk_runs_decodes_beside_the_chunk() -> None:
+    rng = random.Random(6)
+    sched, runner = make(chunked_prefill_size=64, enable_mixed_chunk=True), KVRunner(4096)
+    short, long = make_req("short", tokens(rng, 10), 40), make_req("long", tokens(rng, 300), 4)
+    start_beside_a_decode(sched, runner, short, long)
     batch = sched.step()
     assert batch is not None
     assert [e.is_prefill for e in batch.entries] == [True, False]
@@ -281,11 +286,7 @@ def test_a_cpu_engine_prefills_in_1024_token_steps_beside_the_running_decodes() 
                           context_length=8192, clock=Clock())  # fmt: skip
         runner = KVRunner(8192)
         short, long = make_req("short", tokens(rng, 10), 40), make_req("long", tokens(rng, 3000), 2)
-        sched.add_request(short)
-        batch = sched.step()
-        assert batch is not None
-        sched.on_output(batch, runner.run(batch))
-        sched.add_request(long)
+        start_beside_a_decode(sched, runner, short, long)
         chunks, decoded = [], 0
         while long.first_token_time is None:
             batch = sched.step()

@@ -26,8 +26,6 @@ Backends (``--attention-backend``, see ``BACKENDS``):
 
 from __future__ import annotations
 
-import logging
-import os
 from array import array
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -38,11 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from radixserve.model.kernels import CpuKernels, load_cpu_kernels
+from radixserve.model.kernels import CpuKernels
 from radixserve.model.kv_pool import KVPool
 from radixserve.sched.batch import BatchEntry
-
-logger = logging.getLogger(__name__)
 
 # decodes share a prefix group only when it is at least this long (shorter: not worth a call)
 MIN_SHARED_PREFIX = 32
@@ -508,8 +504,6 @@ class CpuPaged(CpuPrefix):
     def plan(
         self, entries: Sequence[BatchEntry], device: torch.device, dtype: torch.dtype
     ) -> StepPlan:
-        if dtype != torch.float32:
-            raise ValueError(f"attention backend 'cpu-paged' computes in float32, not {dtype}")
         return build_plan(entries, device, dtype, share_prefixes=True, paged=True)
 
     def _attend_decodes(
@@ -606,7 +600,6 @@ BACKENDS: dict[str, type[TorchGather]] = {
     b.name: b for b in (CpuPaged, CpuContig, CpuPrefix, CudaSdpa, TorchGather)
 }
 BACKEND_CHOICES = ("auto", *BACKENDS)
-DEFAULT_KERNEL_DIR = "~/.cache/radixserve"
 
 
 def get_backend(
@@ -614,28 +607,21 @@ def get_backend(
     device: torch.device,
     dtype: torch.dtype = torch.float32,
     kv_dtype: torch.dtype | None = None,
-    kernel_dir: str | os.PathLike[str] = DEFAULT_KERNEL_DIR,
-    use_kernels: bool = True,
+    kernels: CpuKernels | str | None = None,
 ) -> TorchGather:
     """The backend called ``name`` for a model computing in ``dtype`` with its KV cache in
-    ``kv_dtype`` (default: ``dtype``). ``auto``: ``cuda-sdpa`` on a GPU; on a CPU ``cpu-paged``
-    in float32 where its kernel builds (into ``kernel_dir``) unless ``use_kernels`` is False,
-    else ``cpu-contig``. ValueError when the backend does not run on ``device``, at these
-    dtypes, or (``cpu-paged``) cannot be built."""
+    ``kv_dtype`` (default: ``dtype``). ``kernels``: radixserve's loaded CPU kernels, or why
+    they are not there (a reason, or None: turned off). ``auto``: ``cuda-sdpa`` on a GPU; on a
+    CPU ``cpu-paged`` in float32 with the kernels, else ``cpu-contig``. ValueError when the
+    backend does not run on ``device``, at these dtypes, or (``cpu-paged``) without the
+    kernels."""
     kv_dtype = kv_dtype or dtype
     f32 = dtype == kv_dtype == torch.float32
     if name == "auto":
         if device.type == "cuda":
             name = "cuda-sdpa"
-        elif not f32 or not use_kernels:
-            name = "cpu-contig"
         else:
-            kernel = load_cpu_kernels(kernel_dir)
-            if isinstance(kernel, CpuKernels):
-                return CpuPaged(kernel)
-            logger.warning("attention: the cpu-paged kernel is not available (%s); "
-                           "using cpu-contig", kernel)  # fmt: skip
-            name = "cpu-contig"
+            name = "cpu-paged" if f32 and isinstance(kernels, CpuKernels) else "cpu-contig"
     if name not in BACKENDS:
         raise ValueError(
             f"unknown attention backend {name!r} (choose from {', '.join(BACKEND_CHOICES)})"
@@ -645,17 +631,18 @@ def get_backend(
         raise ValueError(
             f"attention backend {name!r} runs on {' or '.join(cls.devices)}, not on {device.type}"
         )
-    if cls is CpuPaged:
-        if not f32:
-            raise ValueError(
-                f"attention backend 'cpu-paged' computes in float32, not {dtype} weights with a "
-                f"{kv_dtype} KV cache (use cpu-contig)"
-            )
-        kernel = load_cpu_kernels(kernel_dir)
-        if isinstance(kernel, str):
-            raise ValueError(f"attention backend 'cpu-paged': {kernel}")
-        return CpuPaged(kernel)
-    return cls()
+    if cls is not CpuPaged:
+        return cls()
+    if not f32:
+        raise ValueError(
+            f"attention backend 'cpu-paged' computes in float32, not {dtype} weights with a "
+            f"{kv_dtype} KV cache (use cpu-contig)"
+        )
+    if not isinstance(kernels, CpuKernels):
+        raise ValueError(
+            f"attention backend 'cpu-paged': {kernels or 'needs radixserve CPU kernels, not loaded'}"
+        )
+    return CpuPaged(kernels)
 
 
 _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu

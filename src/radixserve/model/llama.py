@@ -19,7 +19,7 @@ from radixserve.model.kv_pool import KVPool
 
 class Linear:
     """``x @ weight.T + bias``. On a CPU in float32 the weight is packed once: for radixserve's
-    kernel (``model/kernels.py``: 1.5-1.7x oneDNN at decode batches) where it builds, else into
+    kernel (``model/kernels.py``: 1.3-1.5x oneDNN at 1-32 rows here) where it builds, else into
     oneDNN's blocked layout, multiplied by oneDNN as vLLM-CPU does (MKL's ``F.linear`` re-reads
     the plain layout every call: oneDNN was up to 2-4x faster at 8-32 rows here, equal at 700).
     The plain weight is then not kept."""
@@ -114,13 +114,12 @@ class LlamaModel:
         rows' K/V into ``kv`` at ``plan.write_slots`` on the way."""
         x = F.embedding(plan.input_ids, self.embed)
         cos, sin = rope.cos_sin(plan.positions, self.inv_freq, self.dtype)
-        if self._fused(kv):
+        layer_forward = self._layer_forward
+        if self._fused(kv):  # the kernels take cos / sin as [T, head_dim]
             cos, sin = cos.reshape(cos.shape[0], -1), sin.reshape(sin.shape[0], -1)
-            for i, layer in enumerate(self.layers):
-                x = self._layer_forward_fused(i, layer, x, cos, sin, plan, kv)
-            return x
+            layer_forward = self._layer_forward_fused
         for i, layer in enumerate(self.layers):
-            x = self._layer_forward(i, layer, x, cos, sin, plan, kv)
+            x = layer_forward(i, layer, x, cos, sin, plan, kv)
         return x
 
     def _fused(self, kv: KVPool) -> bool:

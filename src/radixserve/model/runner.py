@@ -42,11 +42,11 @@ class TorchRunner:
         self.dtype, self.kv_dtype = resolve_dtypes(
             model_config.dtype, model_config.kv_cache_dtype, model_config.device
         )
-        self.kernels = self._load_kernels(model_config)
+        loaded = self._load_kernels(model_config)
+        self.kernels = loaded if isinstance(loaded, CpuKernels) else None
         self.backend = get_backend(
-            model_config.attention_backend, self.device, self.dtype, self.kv_dtype,
-            kernel_dir=model_config.weights_cache_dir, use_kernels=self.kernels is not None,
-        )  # fmt: skip
+            model_config.attention_backend, self.device, self.dtype, self.kv_dtype, loaded
+        )
         model_dir = resolve_model_dir(model_config)
         self.info: ModelInfo = load_model_info(model_dir, model_config.context_length)
         arch = read_arch(model_dir)
@@ -59,9 +59,10 @@ class TorchRunner:
         self.sampler = Sampler(model_config.sampling_seed)
         self.grammars = Grammars(self.info.tokenizer, arch.vocab_size, self.info.eos_token_ids)
 
-    def _load_kernels(self, config: ModelConfig) -> CpuKernels | None:
-        """radixserve's CPU kernels for a float32 model on a CPU (``--cpu-kernels auto``);
-        None elsewhere, when turned off, or when they cannot be built (said once, in the log)."""
+    def _load_kernels(self, config: ModelConfig) -> CpuKernels | str | None:
+        """radixserve's CPU kernels for a float32 model on a CPU (``--cpu-kernels auto``); the
+        reason when they cannot be built (said once, in the log); None where they do not apply
+        or are turned off."""
         if config.cpu_kernels == "off" or self.device.type != "cpu":
             return None
         if self.dtype != torch.float32:
@@ -70,7 +71,6 @@ class TorchRunner:
         if isinstance(loaded, str):
             logger.warning("CPU kernels not available (%s): using PyTorch's (oneDNN linears, "
                            "cpu-contig attention)", loaded)  # fmt: skip
-            return None
         return loaded
 
     @property
