@@ -184,6 +184,12 @@ class KvRouting:
         stats = self.plane.stat_totals()
         families: list[tuple[str, str, dict[Any, object]]] = [
             ("kv_index_blocks", "gauge", dict(blocks)),
+            # blocks each worker evicted (BlockRemoved events that hit): is it evicting?
+            (
+                "kv_index_removed_blocks_total",
+                "counter",
+                {w: self.plane.index.removed_blocks(w) for w in blocks},
+            ),
         ]
         # blocks on a lower medium (KV events' `medium`, e.g. the host tier's "CPU"), labelled
         # by worker and medium; an index that keeps no lower media (Redis) has none
