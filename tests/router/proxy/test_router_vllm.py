@@ -272,18 +272,36 @@ SYSTEM = (
 )  # shared by every chat: its first two blocks of 32 tokens
 
 
+SYSTEM_LONG = (
+    "You are the assistant of a note-taking service used by small teams. Every message you "
+    "receive holds a user's notes, written in a hurry, followed by a question about them. "
+    "Answer in one short sentence, in plain English, without lists, code, headings or markup. "
+    "Keep names, numbers, dates and units exactly as they are written in the notes; never "
+    "convert them, round them or guess a missing one. When the notes are unclear or "
+    "contradict each other, say which part is unclear and ask one question about it instead "
+    "of answering. When the question asks for something the notes do not contain, say so "
+    "plainly and do not invent it. Do not repeat the question, do not greet the user and do "
+    "not add a closing remark. If the notes mention a deadline, mention it in your answer "
+    "together with the person responsible for it. If the notes mention money, give the "
+    "amount and the currency as written. Treat every message as private to the team that "
+    "wrote it, and never refer to notes from another conversation."
+)  # an agent's instructions: 215 tokens, 6 full blocks of 32, most of a first turn's text
+
+
 def chat_rate(vllm_pair, router, policy: str, sessions: int, turns: int, words: int,
-              per_round: int) -> tuple[float, list[str], float]:  # fmt: skip
+              per_round: int, system: str = SYSTEM,
+              ) -> tuple[float, list[str], float, float]:  # fmt: skip
     """vLLM's own hit rate over a multi-turn chat through the router under `policy`, caches
     flushed first: `sessions` chats sharing a system prompt, `per_round` of them opening per
     round, each taking `turns` turns (its history, the answer included, resent each time), one
-    request at a time; per chat, the worker (0 or 1) of each turn; and vLLM's hit tokens."""
+    request at a time; per chat, the worker (0 or 1) of each turn; vLLM's hit tokens; and the
+    blocks the router saw the workers evict (kv_aware follows their events; 0 otherwise)."""
     r = router("--policy", policy)
     wait_for(lambda: len(workers(r)) == 2, "both workers")
     if policy == "kv_aware":
         wait_for(lambda: all(w.get("kv_events") for w in workers(r).values()), "publishers")
     assert r.call("POST", "/flush_cache")[0] == 200
-    chats = [[{"role": "system", "content": SYSTEM},
+    chats = [[{"role": "system", "content": system},
               {"role": "user", "content": f"Notes: {document(f's{c}', words)}. Sum up."}]
              for c in range(sessions)]  # fmt: skip
     taken, where = [0] * sessions, [""] * sessions
@@ -308,8 +326,10 @@ def chat_rate(vllm_pair, router, policy: str, sessions: int, turns: int, words: 
                 taken[c] += 1
 
     hits, queries = hit_counts(vllm_pair, run)
+    m = r.metrics()
+    evicted = sum(m.get(f"kv_index_removed_blocks_total@{s.url}", 0.0) for s in vllm_pair)
     r.stop()
-    return hits / queries, where, hits
+    return hits / queries, where, hits, evicted
 
 
 def settled_all(r: RouterProc, servers, quiet: float = 0.3) -> None:
@@ -340,26 +360,29 @@ def test_multi_turn_chat_kv_aware_hits_at_least_as_much(vllm_pair, router):
     rates = {p: chat_rate(vllm_pair, router, p, sessions=4, turns=3, words=40, per_round=4)
              for p in ("cache_aware", "kv_aware")}  # fmt: skip
     print("multi-turn chat, vLLM prefix-cache hit rate and each chat's workers:", rates)
-    _, where, hits = rates["kv_aware"]
+    _, where, hits, _ = rates["kv_aware"]
     assert all(len(set(w)) == 1 for w in where), rates
     assert hits >= rates["cache_aware"][2] - 2 * BLOCK, rates  # the system prompt's 2 blocks
     assert rates["kv_aware"][0] > 0.5, rates  # later turns hit their history
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "issue 26 item 3, open: kv_aware equals cache_aware here, 68.4% = 68.4% (measured once "
-    "more after n12's change: while nothing is evicted, a hold of at most cache_threshold of "
-    "the prompt is no preference, so new chats sharing only the system prompt spread 4 a worker and each chat "
-    "stays on its worker); before it kv_aware had 48.7%, the first 4 chats all on one worker. "
-    "Higher, as asserted, is not shown: both policies place the chats alike"))  # fmt: skip
 def test_chat_while_vllm_evicts_kv_aware_hits_more(vllm_pair, router):
-    """Item 3, "higher where vLLM evicts": the same servers (45 blocks of 32 tokens each), 8
-    chats sharing a system prompt, opening two per round, 3 turns each: about 110 blocks of
-    live history, more than the two caches hold, so vLLM evicts throughout. kv_aware sees the
-    evictions; cache_aware's tree still lists what was evicted."""
-    rates = {p: chat_rate(vllm_pair, router, p, sessions=8, turns=3, words=70, per_round=2)
+    """Item 3, "higher where vLLM evicts": the same servers (45 blocks of 32 tokens each), 8 chats
+    sharing an agent's long instructions (215 tokens; a first turn is about 415), all open, 3
+    turns each, one request at a time: by the last turn about 80 distinct blocks, more than one
+    cache holds (45), less than the two together. cache_aware matches text: the instructions are
+    most of every new chat's characters, so it sends every chat to the worker that served the
+    first, which then evicts each chat's history before its next turn while the other worker
+    stays empty (measured: 40.4% hits, all 8 chats on one worker). kv_aware measures the hold in
+    tokens (6 blocks, under half of a first turn: no reason to prefer the holder), so new chats
+    go round the fleet, and each stays on its worker (73.1%, 4 chats a worker; it saw vLLM evict
+    171 blocks). Where all the chats fit on one worker, cache_aware's choice costs nothing and
+    saves a copy of the instructions (the test above)."""
+    rates = {p: chat_rate(vllm_pair, router, p, sessions=8, turns=3, words=40, per_round=8,
+                          system=SYSTEM_LONG)
              for p in ("cache_aware", "kv_aware")}  # fmt: skip
     print("chat under eviction, vLLM prefix-cache hit rate and each chat's workers:", rates)
+    assert rates["kv_aware"][3] > 0, rates  # vLLM evicted under kv_aware too: the KV is that small
     assert rates["kv_aware"][0] > rates["cache_aware"][0], rates
 
 

@@ -27,24 +27,27 @@ Registered as `--policy kv_aware`; pure (no I/O, no clock)."""
 #             it has each dispatch counted until the request completes (an overestimate that
 #             lasts the request's decode).
 #
-# A small hold is no preference while nothing is evicted. When the most any eligible worker
-# holds of the prompt (on device or loadable) is at most cache_threshold of it (0.5,
-# cache_aware's flag: its test for a hit), the hold is ignored and the request is placed as a
-# new prefix is: least queued, then fewest running, then fewest sent lately. A new chat whose
-# only shared part is a short system prompt then goes round an idle fleet instead of to the
-# worker that served the first chat, while a repeat of a prompt mostly held still goes to its
-# holder. Without it (issue 26, two vLLM servers of 45 blocks, 8 chats sharing a 64-token
-# system prompt, one request at a time) the first 4 chats all went to one worker, which then
-# thrashed: vLLM's hit rate was 48.7% under kv_aware against 68.4% under cache_aware; with it
-# 68.4% each, 4 chats a worker, each on one worker throughout. It gives up under half a
-# prompt's prefill per request so placed: where the chats would all have fit on one worker,
-# the other computes the shared prompt once more (4 chats of 3 turns on those servers: 64 hit
-# tokens fewer than cache_aware's 2,624, which kept them on one worker). While the fleet
-# evicts, the rule is off: a partial hold (a session's history partly evicted) is then worth
-# chasing, and new sessions are spread by the rule below. Applied then too, it cost 0.7 points
-# of hit rate on simulated chat at a tenth of the pool (benchmarks/kv_aware_sweep.py, a
-# seeded 10% dropped) and 0.2 on the Mooncake trace; off then, chat lost nothing and the
-# trace moved by under 0.1 point (at half and a tenth of the pool).
+# A small hold is no preference while nothing is evicted. When the most any eligible worker holds of
+# the prompt (on device or loadable) is at most cache_threshold of it (0.5, cache_aware's flag: its
+# test for a hit), the hold is ignored and the request is placed as a new prefix is: least queued,
+# then fewest running, then fewest sent lately. A new chat whose only shared part is a short system
+# prompt then goes round an idle fleet instead of to the worker that served the first chat, while a
+# repeat of a prompt mostly held still goes to its holder. Without it (issue 26, two vLLM servers of
+# 45 blocks, 8 chats sharing a 64-token system prompt, one request at a time) the first 4 chats all
+# went to one worker, which then thrashed: vLLM's hit rate was 48.7% under kv_aware against 68.4%
+# under cache_aware; with it 68.4% each, 4 chats a worker, each on one worker throughout. Where the
+# shared prompt is long (8 chats sharing 215 tokens of instructions, all open, on the same servers)
+# cache_aware sends every chat to one worker, since the instructions are most of a new chat's
+# characters though under half its tokens; that worker evicts each history before its next turn:
+# vLLM's hit rate 40.4% under cache_aware, 73.1% under kv_aware, which spreads them. It gives up
+# under half a prompt's prefill per request so placed: where the chats would all have fit on one
+# worker, the other computes the shared prompt once more (4 chats of 3 turns on those servers: 64
+# hit tokens fewer than cache_aware's 2,624, which kept them on one worker). While the fleet evicts,
+# the rule is off: a partial hold (a session's history partly evicted) is then worth chasing, and
+# new sessions are spread by the rule below. Applied then too, it cost 0.7 points of hit rate on
+# simulated chat at a tenth of the pool (benchmarks/kv_aware_sweep.py, a seeded 10% dropped) and 0.2
+# on the Mooncake trace; off then, chat lost nothing and the trace moved by under 0.1 point (at half
+# and a tenth of the pool).
 #
 # Placement while the fleet evicts. A request every eligible worker holds equally and partly
 # (a system prompt they all have, nothing more of it anywhere) has no holder to prefer, and the
