@@ -172,15 +172,22 @@ def run_chat(port: int, args: argparse.Namespace, pool: ThreadPoolExecutor) -> l
     chats = [[{"role": "system", "content": "You are a concise assistant."},
               {"role": "user", "content": f"Read this: {document(f'chat{c}', args.prefix_words // 2)}"
                f"\nWhat is it about?"}] for c in range(args.conversations)]  # fmt: skip
+    return run_turns(port, pool, chats, args.turns, args.max_tokens * 4, "Turn {}: and then?")
+
+
+def run_turns(port: int, pool: ThreadPoolExecutor, chats: list[list[dict]], turns: int,
+              max_tokens: int, follow_up: str) -> list[float]:  # fmt: skip
+    """`turns` waves over `chats`: each chat sent as it stands, then the answer and a new user
+    message (`follow_up` with the turn number) appended; every request's TTFT."""
     ttfts: list[float] = []
-    for turn in range(args.turns):
-        bodies = [{"model": "smollm2", "messages": list(m), "max_tokens": args.max_tokens * 4,
+    for turn in range(turns):
+        bodies = [{"model": "smollm2", "messages": list(m), "max_tokens": max_tokens,
                    "temperature": 0} for m in chats]  # fmt: skip
         results = list(pool.map(lambda b: stream(port, "/v1/chat/completions", b), bodies))
         for c, (ttft, answer) in enumerate(results):
             ttfts.append(ttft)
             chats[c] += [{"role": "assistant", "content": answer or "."},
-                         {"role": "user", "content": f"Turn {turn + 1}: and then?"}]  # fmt: skip
+                         {"role": "user", "content": follow_up.format(turn + 1)}]  # fmt: skip
     return ttfts
 
 
@@ -207,16 +214,7 @@ def run_agent_chat(port: int, args: argparse.Namespace, pool: ThreadPoolExecutor
     chats = [[{"role": "system", "content": AGENT},
               {"role": "user", "content": f"History: {document(f'order{c}', args.agent_words)}."
                f" Where is my order?"}] for c in range(args.agents)]  # fmt: skip
-    ttfts: list[float] = []
-    for turn in range(args.agent_turns):
-        bodies = [{"model": "smollm2", "messages": list(m), "max_tokens": args.max_tokens * 3,
-                   "temperature": 0} for m in chats]  # fmt: skip
-        results = list(pool.map(lambda b: stream(port, "/v1/chat/completions", b), bodies))
-        for c, (ttft, answer) in enumerate(results):
-            ttfts.append(ttft)
-            chats[c] += [{"role": "assistant", "content": answer or "."},
-                         {"role": "user", "content": f"And item {turn + 1}?"}]  # fmt: skip
-    return ttfts
+    return run_turns(port, pool, chats, args.agent_turns, args.max_tokens * 3, "And item {}?")
 
 
 def run_workload(name: str, port: int, args: argparse.Namespace) -> list[float]:
