@@ -33,7 +33,7 @@ def test_lower_medium_blocks_are_a_gauge_per_worker_and_medium():
         ("http://127.0.0.1:1",): 1.0,
         ("http://127.0.0.1:2",): 1.0,
     }
-    # one device block removed on a: counted per worker, as operators ask "is it evicting?"
+    # two device blocks removed on a: counted per worker, as operators ask "is it evicting?"
     assert samples(routing, "kv_index_removed_blocks") == {
         ("http://127.0.0.1:1",): 2.0,
         ("http://127.0.0.1:2",): 0.0,

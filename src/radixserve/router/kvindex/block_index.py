@@ -114,6 +114,8 @@ class BlockIndex(ABC):
     empties it but keeps it known); an unknown worker has no entry in prefix_tokens' answer."""
 
     stats: IndexStats
+    counts_removals = False
+    """Whether removed_blocks() counts (else it answers 0 for every worker)."""
 
     @abstractmethod
     def apply(self, worker: WorkerId, events: Iterable[Event]) -> None:
@@ -211,6 +213,8 @@ def lower_medium(medium: str | None) -> str | None:
 class InMemoryIndex(BlockIndex):
     """The index in the router's own memory: a dict per worker (about 200 bytes per block;
     benchmarks/kv_router_bench.py measures it)."""
+
+    counts_removals = True
 
     def __init__(self) -> None:
         self._workers: dict[WorkerId, _Worker] = {}

@@ -184,13 +184,11 @@ class KvRouting:
         stats = self.plane.stat_totals()
         families: list[tuple[str, str, dict[Any, object]]] = [
             ("kv_index_blocks", "gauge", dict(blocks)),
-            # blocks each worker evicted (BlockRemoved events that hit): is it evicting?
-            (
-                "kv_index_removed_blocks_total",
-                "counter",
-                {w: self.plane.index.removed_blocks(w) for w in blocks},
-            ),
         ]
+        index = self.plane.index
+        if index.counts_removals:  # blocks each worker evicted (its BlockRemoved events that hit)
+            removed = {w: index.removed_blocks(w) for w in blocks}
+            families.append(("kv_index_removed_blocks_total", "counter", removed))
         # blocks on a lower medium (KV events' `medium`, e.g. the host tier's "CPU"), labelled
         # by worker and medium; an index that keeps no lower media (Redis) has none
         lower = getattr(self.plane.index, "lower_blocks", dict)()
