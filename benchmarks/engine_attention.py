@@ -24,6 +24,7 @@ import time
 import torch
 
 from _machine import machine_line
+from radixserve.config import ModelConfig
 from radixserve.model.attention import get_backend
 from radixserve.model.kernels import load_cpu_kernels
 from radixserve.model.kv_pool import KVPool
@@ -32,7 +33,6 @@ from radixserve.sched.request import SamplingParams
 
 HEADS, KV_HEADS, DIM = 9, 3, 64
 CPU = torch.device("cpu")
-DEFAULT_KERNEL_DIR = "~/.cache/radixserve"  # the engine's --weights-cache-dir default
 
 
 def run_backend(name: str, b: int, length: int, args: argparse.Namespace) -> tuple[float, float]:
@@ -43,7 +43,8 @@ def run_backend(name: str, b: int, length: int, args: argparse.Namespace) -> tup
     num_slots = 4 * (args.shared_prefix + b * (length + args.steps + 2))
     pool = KVPool(args.layers, num_slots, KV_HEADS, DIM, torch.float32, CPU)
     pool.kv.normal_()
-    kernels = load_cpu_kernels(DEFAULT_KERNEL_DIR) if name == "cpu-paged" else None
+    # built where the engine builds them (its --weights-cache-dir default)
+    kernels = load_cpu_kernels(ModelConfig().weights_cache_dir) if name == "cpu-paged" else None
     backend = get_backend(name, CPU, kernels=kernels)
     backend.bind(pool)
     shared = list(range(args.shared_prefix))  # one run, at the pool's start

@@ -5,7 +5,7 @@ outgrow one worker's KV: vLLM evicts). Reported per policy: vLLM's own prefix-ca
 (the delta of its `vllm:prefix_cache_hits` over `vllm:prefix_cache_queries`, both servers), TTFT
 p50 / p99 (streamed), requests/s, and how the prompt tokens split between the two servers.
 
-    python benchmarks/vllm_fleet.py          # 19 min on 2 cores at load average 10-16; less when quiet
+    python benchmarks/vllm_fleet.py          # 11 min on 2 quiet cores (three workloads); more when busy
     python benchmarks/vllm_fleet.py --groups 8 --repeats 6 --conversations 8 --turns 6
     python benchmarks/vllm_fleet.py --policies kv_aware cache_aware --kv-mib 200
 
@@ -312,7 +312,7 @@ def main() -> None:
     p.add_argument("--agents", type=int, default=8, help="agent-chat: conversations")
     p.add_argument("--agent-turns", type=int, default=3)
     p.add_argument("--agent-words", type=int, default=40, help="agent-chat: history words")
-    p.add_argument("--max-tokens", type=int, default=8, help="(chat answers: 4x this)")
+    p.add_argument("--max-tokens", type=int, default=8, help="(answers: 4x chat, 3x agent-chat)")
     p.add_argument("--concurrency", type=int, default=2)
     p.add_argument("--start-timeout", type=float, default=900.0, help="per vLLM start-up, s")
     args = p.parse_args()

@@ -12,11 +12,11 @@ Backends (``--attention-backend``, see ``BACKENDS``):
   mode, so K/V are never copied per query head.
 - ``cuda-sdpa`` (CUDA default): the same SDPA calls without the prefix split (the CPU flash
   kernel that returns the log-sum-exp is CPU-only).
-- ``cpu-contig`` (CPU default in bfloat16, or without our kernels): as ``cpu-prefix``, but no decode context is gathered per step:
-  each running decode's context (after its shared prefix) is kept contiguous and head-major in
-  a buffer of its own, filled from the pool once and extended by one token per step, so the
-  flash kernel reads it in place; a shared prefix that is one run of slots is read from the
-  pool in place too.
+- ``cpu-contig`` (CPU default in bfloat16, or without our kernels): as ``cpu-prefix``, but no
+  decode context is gathered per step: each running decode's context (after its shared prefix)
+  is kept contiguous and head-major in a buffer of its own, filled from the pool once and
+  extended by one token per step, so the flash kernel reads it in place; a shared prefix that
+  is one run of slots is read from the pool in place too.
 - ``cpu-paged`` (CPU default in float32): decodes through radixserve's C++ kernel
   (``model/kernels.py``), which reads every decode's context from the pool in place by slot, one
   call per layer for all of them; spans as in ``cpu-prefix``.
@@ -639,9 +639,8 @@ def get_backend(
             f"{kv_dtype} KV cache (use cpu-contig)"
         )
     if not isinstance(kernels, CpuKernels):
-        raise ValueError(
-            f"attention backend 'cpu-paged': {kernels or 'needs radixserve CPU kernels, not loaded'}"
-        )
+        why = kernels or "needs radixserve's CPU kernels, which are not loaded"
+        raise ValueError(f"attention backend 'cpu-paged': {why}")
     return CpuPaged(kernels)
 
 

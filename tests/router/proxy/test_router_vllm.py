@@ -381,7 +381,7 @@ def test_chat_with_a_one_line_system_prompt_kv_aware_hits_at_least_as_much(vllm_
     assert rates["kv_aware"].rate >= rates["cache_aware"].rate, rates
 
 
-def test_multi_turn_chat_kv_aware_hits_at_least_as_much(vllm_pair, router):
+def test_chats_that_fit_on_one_worker_cost_kv_aware_one_system_prompt_copy(vllm_pair, router):
     """Item 3, multi-turn chat, the working set within the two caches: 4 chats of 3 turns, each
     turn resending the history with the answer: every chat's later turns stay on its worker,
     and vLLM's hit rate under kv_aware is cache_aware's or better, give or take one copy of
@@ -408,9 +408,8 @@ def test_chat_while_vllm_evicts_kv_aware_hits_more(vllm_pair, router):
     stays empty (measured: 40.4% hits, all 8 chats on one worker, 78 distinct blocks sent to
     it). kv_aware measures the hold in tokens (6 blocks, under half of a first turn: no reason
     to prefer the holder), so new chats go round the fleet, and each stays on its worker (73.1%,
-    4 chats and 42 blocks a worker). Where all the
-    chats fit on one worker, cache_aware's choice costs nothing and saves a copy of the
-    instructions (the test above)."""
+    4 chats and 42 blocks a worker). Where all the chats fit on one worker, cache_aware's choice
+    costs nothing and saves a copy of the instructions (the test above)."""
     rates = {p: chat_rate(vllm_pair, router, p, sessions=8, turns=3, words=40, per_round=8,
                           system=SYSTEM_LONG)
              for p in ("cache_aware", "kv_aware")}  # fmt: skip
