@@ -25,7 +25,7 @@ import torch
 
 from _machine import machine_line
 from radixserve.config import ModelConfig
-from radixserve.model.attention import get_backend
+from radixserve.model.attention.registry import get_backend
 from radixserve.model.kernels import load_cpu_kernels
 from radixserve.model.kv_pool import KVPool
 from radixserve.sched.batch import BatchEntry

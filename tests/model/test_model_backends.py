@@ -3,17 +3,19 @@ follows the CPU's flags; bfloat16 weights and KV cache stay close to transformer
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from radixserve.config import ModelConfig  # noqa: E402
-from radixserve.model.attention import (  # noqa: E402
+from radixserve.model.attention.cpu_contig import TailBuffers  # noqa: E402
+from radixserve.model.attention.plan import MIN_SHARED_PREFIX, build_plan  # noqa: E402
+from radixserve.model.attention.registry import (  # noqa: E402
+    BACKEND_CHOICES,
     BACKENDS,
-    MIN_SHARED_PREFIX,
-    TailBuffers,
-    build_plan,
     get_backend,
 )
 from radixserve.model.dtypes import auto_dtype, resolve_dtypes  # noqa: E402
@@ -65,6 +67,9 @@ def test_kv_cache_dtype_halves_the_slot_cost(tiny):
 # -- the registry -------------------------------------------------------------------------------
 def test_registry_defaults_and_refusals(tmp_path):
     assert set(BACKENDS) == {"cpu-paged", "cpu-contig", "cpu-prefix", "cuda-sdpa", "torch-gather"}
+    # --attention-backend offers exactly the registry's names (config.py lists them torch-free)
+    choices = {f.name: f.metadata.get("choices") for f in dataclasses.fields(ModelConfig)}
+    assert choices["attention_backend"] == BACKEND_CHOICES
     # float32 on a CPU with the kernels loaded: radixserve's decode kernel; without them, or
     # with a bfloat16 model or KV cache: cpu-contig, which computes in any dtype
     kernels = load_cpu_kernels(tmp_path)

@@ -12,7 +12,9 @@ import torch.nn.functional as F
 
 from radixserve.model import rope
 from radixserve.model.arch import ModelArch
-from radixserve.model.attention import AttentionBackend, StepPlan, TorchGather
+from radixserve.model.attention.base import AttentionBackend
+from radixserve.model.attention.plan import StepPlan
+from radixserve.model.attention.torch_gather import TorchGather
 from radixserve.model.kernels import MAX_ROPE_DIM, CpuKernels, PackedWeight
 from radixserve.model.kv_pool import KVPool
 

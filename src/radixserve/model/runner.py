@@ -13,7 +13,8 @@ import torch
 
 from radixserve.config import ModelConfig
 from radixserve.model.arch import ModelArch
-from radixserve.model.attention import StepPlan, get_backend
+from radixserve.model.attention.plan import StepPlan
+from radixserve.model.attention.registry import get_backend
 from radixserve.model.dtypes import resolve_dtypes
 from radixserve.model.grammar import Grammars
 from radixserve.model.kernels import CpuKernels, load_cpu_kernels

@@ -1,0 +1,54 @@
+"""``cpu-paged``: ``cpu-prefix`` whose decodes go through radixserve's C++ kernel
+(``model/kernels.py``), which reads every decode's context from the pool in place, by slot."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from radixserve.model.attention.cpu_prefix import CpuPrefix
+from radixserve.model.attention.plan import DecodeGroup, StepPlan, build_plan
+from radixserve.model.kernels import CpuKernels
+from radixserve.model.kv_pool import KVPool
+from radixserve.sched.batch import BatchEntry
+
+
+class CpuPaged(CpuPrefix):
+    """Decodes through radixserve's C++ kernel (``model/kernels.py``): one call per layer
+    reads every decode's context from the pool in place, by slot, with the (row, KV head)
+    pairs shared out over the torch threads; no gather, no padding, no per-request buffer.
+    Float32 weights and KV only. Prefill spans as in ``cpu-prefix``."""
+
+    name = "cpu-paged"
+
+    def __init__(self, kernels: CpuKernels) -> None:
+        self.kernels = kernels
+        self.scale = 1.0
+
+    def bind(self, kv: KVPool) -> None:
+        if kv.kv.dtype != torch.float32:
+            raise ValueError(
+                f"attention backend 'cpu-paged' computes in float32, not {kv.kv.dtype} "
+                "(use cpu-contig)"
+            )
+        self.scale = kv.kv.shape[4] ** -0.5
+
+    def plan(
+        self, entries: Sequence[BatchEntry], device: torch.device, dtype: torch.dtype
+    ) -> StepPlan:
+        return build_plan(entries, device, dtype, share_prefixes=True, paged=True)
+
+    def _attend_decodes(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: DecodeGroup, kv: KVPool,
+        layer: int,
+    ) -> torch.Tensor:  # fmt: skip
+        assert group.paged is not None
+        b = group.size
+        qd = q[:b].contiguous()
+        out = torch.empty_like(qd)
+        slots, offsets = group.paged
+        self.kernels.decode_attention(
+            qd, kv.kv[layer, 0], kv.kv[layer, 1], slots, offsets, self.scale, out
+        )
+        return out.view(b, -1)
