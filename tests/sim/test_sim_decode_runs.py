@@ -38,7 +38,7 @@ def both(
         doc = res.to_dict()
         for k in ("wall_s", "sim_requests_per_min"):
             del doc[k]
-        doc["latencies"] = (res.ttft, res.tpot, res.e2e, res.wait)
+        doc["latencies"] = (res.ttft, res.tpot, res.e2e, res.wait, res.tbt_worst, res.tbt_hist)
         doc["trees"] = [(e.sched.cache.evictable_size(), e.sched.stats()) for e in sim.engines]
         out.append((doc, sim.run_counts))
     (fast, counts), (slow, none) = out

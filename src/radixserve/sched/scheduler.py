@@ -21,6 +21,7 @@ from radixserve.sched.decode_run import apply_run, run_length
 from radixserve.sched.kv import KVManager
 from radixserve.sched.policy import PassContext, make_policy, orders_by_priority
 from radixserve.sched.prefix_index import PrefixIndex
+from radixserve.sched.receive import fits
 from radixserve.sched.request import FinishReason, Req, ReqState, TokenOutput
 from radixserve.sched.running import RunningSet, retract_order
 from radixserve.sched.validate import check_config, check_request
@@ -89,6 +90,7 @@ class Scheduler:
         )
         self.running = RunningSet(self.config)
         self._reqs: dict[str, Req] = {}  # every live request, waiting or running
+        self.receiving: dict[str, Req] = {}  # decode role: slots reserved, KV on its way
         self._in_flight: Batch | None = None
         self._last_chunk = False
         self._seq = self._step_id = 0
@@ -206,6 +208,33 @@ class Scheduler:
         if len(req.output_ids) >= sp.max_new_tokens:
             return FinishReason.LENGTH
         return None
+
+    # -- the decode role: prompts computed by a prefill engine -------------------------------
+    def reserve(self, req: Req) -> bool:
+        """Slots for the KV of ``req``'s prompt, which a prefill engine computes and sends;
+        ``receive`` once it has landed. False, keeping nothing: no room now for it to decode
+        to its end beside the others (sched/receive.py); ValueError: it can never run here."""
+        check_request(req, self.context_length, self.kv.total, self.kv.page)
+        if req.rid in self._reqs or req.sampling.max_new_tokens < 2:
+            raise ValueError(f"request {req.rid!r} is in use or has no token left to decode")
+        here = [*self.running.decoding.values(), *self.receiving.values()]
+        if len(here) >= self.config.max_running_requests or not fits(self.kv, here, req):
+            return False
+        self.kv.table.open(req.rid, [])
+        self.kv.extend(req, len(req.input_ids))
+        req.kv_len, req.state = len(req.input_ids), ReqState.RUNNING
+        self._seq += 1
+        req.seq = self._seq
+        self._reqs[req.rid] = self.receiving[req.rid] = req
+        self.running.enter(req)
+        return True
+
+    def receive(self, rid: str, first_token: int) -> None:
+        """The prompt's KV has landed in the reserved slots, with the first token the prefill
+        engine sampled: the request decodes from the next step (or ends, on a stop token)."""
+        req = self.receiving.pop(rid)
+        self.running.decoding[rid] = req
+        self._append(req, first_token, was_prefill=False)
 
     # -- runs of pure decode steps (the simulator's fast path) -------------------------------
     def decode_run_length(self) -> int:
@@ -431,8 +460,8 @@ class Scheduler:
         if req.state is ReqState.WAITING:
             self._dequeue(req)
         else:
-            self.running.leave(req)
-            self.kv.release(req, keep=True)
+            self.running.leave(req)  # KV still on its way is not cached
+            self.kv.release(req, keep=self.receiving.pop(rid, None) is None)
         req.state, req.finish_reason, req.finish_time = state, reason, self.clock()
         self._n["aborted" if state is ReqState.ABORTED else "finished"] += 1
         return True
@@ -504,7 +533,7 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Recount everything: free + evictable + protected + held == total, the tree's own
         counters, every lock, and the queue against the prefix index."""
-        running = self.running.all()
+        running = [*self.running.all(), *self.receiving.values()]
         self.kv.check(running, in_flight=self._in_flight is not None)
         waiting = [r for r in self._reqs.values() if r.state is ReqState.WAITING]
         assert len(waiting) + len(running) == len(self._reqs), "a request is lost"

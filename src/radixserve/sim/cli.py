@@ -23,8 +23,10 @@ from radixserve.router.policies.registry import POLICIES
 from radixserve.sched.validate import check_config
 from radixserve.sim.cluster import ClusterConfig, host_tier_tokens, simulate
 from radixserve.sim.costmodel import COST_MODELS, get_cost_model
+from radixserve.sim.pd import PDConfig, parse_split, simulate_pd
 from radixserve.sim.report import SimResult, format_table
 from radixserve.sim.runner import SimRunner
+from radixserve.sim.slo import SloConfig
 from radixserve.sim.workload_args import (
     add_workload_args,
     finite,
@@ -39,6 +41,7 @@ _SWEPT = {
     "schedule_policy": "lpm",
     "max_wait_ms": None,
     "radix_eviction_policy": "lru",
+    "pd": None,  # aggregated: every engine prefills and decodes
 }
 
 
@@ -57,13 +60,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
             "memory per GPU, or --hicache-size / --hicache-ratio), --kv-store-gb a fleet-wide "
             "KV store; copies cost the preset's bandwidths (--host-bandwidth-gbs, "
             "--store-bandwidth-gbs, --store-latency-ms override them), and the report splits "
-            "hits and TTFT by tier."
+            "hits and TTFT by tier. --pd X:Y runs X prefill and Y decode engines (X + Y = "
+            "--engines; several values and `none`, the aggregated fleet, compare them); "
+            "--slo-ttft-ms and --slo-tbt-ms count goodput."
         ),
     )
     add_workload_args(parser)
     add_dataclass_args(parser, ClusterConfig, "cluster", check=False)
     add_dataclass_args(parser, SchedulerConfig, "engine scheduler", check=False)
     add_dataclass_args(parser, CacheConfig, "engine cache", check=False)
+    pd = parser.add_argument_group("prefill and decode apart, SLOs")
+    pd.add_argument(
+        "--pd",
+        nargs="+",
+        type=_split,
+        default=[None],
+        metavar="X:Y",
+        help="X prefill and Y decode engines (none: aggregated, the default); several compare",
+    )
+    add_dataclass_args(parser, PDConfig, "", check=False, group=pd)
+    add_dataclass_args(parser, SloConfig, "", check=False, group=pd)
     for action in parser._actions:
         if action.dest in _SWEPT:
             action.nargs, action.default = "+", [_SWEPT[action.dest]]
@@ -86,6 +102,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     add_check(parser, _configs)  # every setting is checked before the simulation starts
     parser.set_defaults(run=run)
     return parser
+
+
+def _split(text: str) -> tuple[int, int] | None:
+    try:
+        return parse_split(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _ms_or_none(text: str) -> float | None:
@@ -118,6 +141,14 @@ def _configs(args: argparse.Namespace) -> tuple[ClusterConfig, CacheConfig, Sche
     sched = from_args(SchedulerConfig, base)
     check_config(sched, cache.page_size)
     workload_config(args)
+    from_args(PDConfig, args), from_args(SloConfig, args)
+    for split in filter(None, args.pd):
+        if sum(split) != cluster.engines:
+            raise ValueError(f"--pd {split[0]}:{split[1]} has {sum(split)} engines, --engines "
+                             f"{cluster.engines}: a comparison keeps the fleet's size")  # fmt: skip
+        if cache.enable_hierarchical_cache or cluster.tiers.kv_store_gb:
+            raise ValueError("--pd runs without lower KV tiers (--kv-store-gb, "
+                             "--enable-hierarchical-cache)")  # fmt: skip
     return cluster, cache, sched
 
 
@@ -134,6 +165,8 @@ def _runs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
 
 
 def _label(key: str, value: Any) -> str:
+    if key == "pd":
+        return "aggregated" if value is None else f"{value[0]}P{value[1]}D"
     if key == "max_wait_ms":
         return "wait=none" if value is None else f"wait={value:g}ms"
     return str(value)
@@ -157,6 +190,11 @@ def _run(args: argparse.Namespace) -> int:
     outputs = (lambda r: runner.generate(r.input_ids, r.output_len)) if chat else None
     best = ideal_prefix_hit_rate(requests, cache.page_size, outputs)
     print(_header(args.workload, workload, cluster, cache, requests, best))
+    pd, slo = from_args(PDConfig, args), from_args(SloConfig, args)
+    if any(args.pd):
+        print(_pd_header(cluster, pd))
+    if slo.set:
+        print(f"goodput: requests meeting {slo.describe()}")
     block_tokens = workload.block_tokens if args.workload == "trace" else None
     results = []
     for label, over in _runs(args):
@@ -167,7 +205,13 @@ def _run(args: argparse.Namespace) -> int:
         )
         config = dataclasses.replace(cluster, router=over["router"])
         evict = dataclasses.replace(cache, radix_eviction_policy=over["radix_eviction_policy"])
-        res = simulate(requests, config, sched, evict, label, args.progress, best, block_tokens)
+        split = over["pd"]
+        if split is None:
+            res = simulate(requests, config, sched, evict, label, args.progress, best, block_tokens)
+        else:
+            res = simulate_pd(requests, split, config, pd, sched, evict, label, block_tokens)
+            res.best_hit_rate = best
+        res.slo = slo
         if res.num_rejected:  # they left the hit rate, so they leave the best too
             res.best_hit_rate = ideal_prefix_hit_rate(
                 _served(requests, res), cache.page_size, outputs
@@ -220,6 +264,15 @@ def _header(
             f"best achievable hit rate (one unbounded cache): {best:.1%}",
         ]
     )
+
+
+def _pd_header(cluster: ClusterConfig, pd: PDConfig) -> str:
+    cost = get_cost_model(cluster.preset)
+    bw = pd.transfer_bandwidth_gbs or cost.tier_spec().transfer_bandwidth / 1e9
+    per_token = cost.kv_bytes_per_token_per_gpu / 1e3
+    return (f"prefill/decode apart: prefill engines picked by {cluster.router}, decode engines "
+            f"by {pd.decode_router}; KV sent at {bw:g} GB/s per GPU ({per_token:g} kB a token "
+            f"per GPU)")  # fmt: skip
 
 
 def _tier_header(cluster: ClusterConfig, cache: CacheConfig) -> list[str]:

@@ -48,6 +48,7 @@ from radixserve.sim.costmodel import CostModel, get_cost_model
 from radixserve.sim.kv_feed import KvFeed
 from radixserve.sim.report import EngineLoad, SimResult
 from radixserve.sim.runner import SimRunner
+from radixserve.sim.slo import TokenGaps
 from radixserve.sim.tiers import Landing, SimStore, SimTierConfig
 from radixserve.sim.workloads import Chains, WorkloadRequest
 
@@ -192,8 +193,10 @@ class ClusterSim:
         self._views = [e.view() for e in self.engines]  # kept current as loads change
         self._store_source = FixedTier({}, "store")  # the store's answer for the request routed
         self.policy = self._make_policy()
-        index = self.policy.index  # kv_aware: fed by the engines' caches
-        self._feed = None if index is None else KvFeed([e.sched.cache for e in self.engines], index)
+        index = self.policy.index  # kv_aware: fed by the routed engines' caches
+        caches = [e.sched.cache for e in self._routed()]
+        self._feed = None if index is None else KvFeed(caches, index)
+        self.tbt = TokenGaps()  # the time between each request's tokens
         self._events: list[tuple[float, int, int, int]] = []
         self._seq = 0
         self._live: dict[str, tuple[Req, _Engine, RequestView]] = {}
@@ -208,6 +211,10 @@ class ClusterSim:
 
     def _clock(self) -> float:
         return self.now
+
+    def _routed(self) -> list[_Engine]:
+        """The engines the router policy picks from (worker i: the i-th)."""
+        return self.engines
 
     def _make_policy(self) -> RouterPolicy:
         cfg = self.config
@@ -242,6 +249,7 @@ class ClusterSim:
                 self._loop()
         res = self._result
         res.engines = [e.load for e in self.engines]
+        res.tbt_hist = self.tbt.hist
         res.wall_s = time.perf_counter() - wall
         res.num_unfinished = len(self._live) + len(self._backlog)
         res.router, res.schedule_policy = self.config.router, self.sched_config.schedule_policy
@@ -543,6 +551,7 @@ class ClusterSim:
         reqs = eng.sched.running.decoding.values()
         lasts = [r.output_ids[-1] for r in reqs]
         tokens = eng.runner.decode_tokens(lasts, [r.kv_len for r in reqs], steps)
+        self.tbt.run(list(eng.sched.running.decoding), run.ends)
         eng.sched.advance_decodes(tokens)
         self.run_counts["steps"] += steps
         self._step(eng)
@@ -558,7 +567,9 @@ class ClusterSim:
                 if e.is_prefill and e.sample and e.num_generated == 0:
                     self._write_store(e.rid, e.prompt_ids)  # type: ignore[arg-type]
         done = 0
-        for out in eng.sched.on_output(batch, result):  # type: ignore[arg-type]
+        outs = eng.sched.on_output(batch, result)  # type: ignore[arg-type]
+        self.tbt.tokens(outs, self.now)
+        for out in outs:
             if out.finished:
                 self._finish(out.rid)
                 done += 1
@@ -572,6 +583,7 @@ class ClusterSim:
             self._write_store(rid, req.input_ids, req.output_ids)
             self._store_keys.pop(rid, None)
         self._result.record(req)
+        self._result.record_tbt(self.tbt.pop(rid))
         self._result.record_tiers(req, self._landings.pop(rid, None))
         w = self._reqs[self._index[rid]]
         if self._block_tokens and w.hash_ids:

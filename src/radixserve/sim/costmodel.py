@@ -62,13 +62,15 @@ class GpuSpec:
 class TierSpec:
     """The KV tiers below one GPU's pool: its share of the host's memory for KV and the copy
     bandwidth to it (PCIe), and the network path to a fleet-wide KV store (Mooncake Store):
-    bandwidth and the latency of one batched get. Per GPU, as each GPU moves its own share of
-    the KV over its own links."""
+    bandwidth and the latency of one batched get; and the network between engines that a
+    prefill engine sends a prompt's KV over to a decode engine (prefill and decode apart). Per
+    GPU, as each GPU moves its own share of the KV over its own links."""
 
     host_memory_bytes: float
     host_bandwidth: float  # bytes/s, effective host <-> device copy
     store_bandwidth: float  # bytes/s, effective store -> host over the NIC
     store_latency_s: float  # one batched get: lookup, RDMA set-up, completion
+    transfer_bandwidth: float = 40e9  # bytes/s, prefill engine -> decode engine (RDMA)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +146,12 @@ class CostModel:
         return (
             spec.store_latency_s + tokens * self.kv_bytes_per_token_per_gpu / spec.store_bandwidth
         )
+
+    def transfer_time(self, tokens: int, bandwidth: float | None = None) -> float:
+        """Seconds to send ``tokens`` of KV from a prefill engine to a decode engine, each GPU
+        its own share over its own NIC (``bandwidth``: bytes/s, default the preset's)."""
+        bw = self.tier_spec().transfer_bandwidth if bandwidth is None else bandwidth
+        return tokens * self.kv_bytes_per_token_per_gpu / bw
 
     def prefill_time_per_token(self, tokens: int = 2048) -> float:
         """Seconds per token of one cold prefill of ``tokens`` (what a load saves)."""
@@ -294,9 +302,12 @@ TINY_DEVICE = GpuSpec("cpu-toy", 1e12, 1e11, 16 * 2**20, link_bandwidth=1e10)
 # each GPU 128 GB for host KV; PCIe Gen5 x16 peaks at 64 GB/s a direction and pinned copies
 # reach 25-50 GB/s (40 taken), Gen4 half that; a 200 Gb/s NIC per GPU to the store is 25 GB/s,
 # of which RDMA gets reach ~80%; a batched get costs ~0.5 ms before its first byte.
-H100_NODE_TIERS = TierSpec(128e9, 40e9, 20e9, 5e-4)
-A100_NODE_TIERS = TierSpec(128e9, 20e9, 20e9, 5e-4)
-TINY_TIERS = TierSpec(64 * 2**20, 1e10, 5e9, 1e-5)
+# Between engines (PD transfer): NVIDIA's DGX H100 datasheet gives each GPU its own ConnectX-7
+# at 400 Gb/s (50 GB/s a direction), the DGX A100's a ConnectX-6 at 200 Gb/s (25 GB/s); RDMA
+# writes of large pages (Mooncake's transfer engine) reach ~80% of that: 40 and 20 GB/s.
+H100_NODE_TIERS = TierSpec(128e9, 40e9, 20e9, 5e-4, transfer_bandwidth=40e9)
+A100_NODE_TIERS = TierSpec(128e9, 20e9, 20e9, 5e-4, transfer_bandwidth=20e9)
+TINY_TIERS = TierSpec(64 * 2**20, 1e10, 5e9, 1e-5, transfer_bandwidth=5e9)
 
 COST_MODELS: dict[str, CostModel] = {}
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.sched.request import Req
+from radixserve.sim.slo import SloConfig, gap_percentiles, goodput
 from radixserve.sim.tiers import TIERS, Landing, deepest_tier, split_by_tier
 
 PERCENTILES = (50, 90, 99)
@@ -79,6 +80,12 @@ class SimResult:
     tpot: list[float] = field(default_factory=list, repr=False)
     e2e: list[float] = field(default_factory=list, repr=False)
     wait: list[float] = field(default_factory=list, repr=False)  # arrival -> first scheduled
+    # each finished request's longest time between two tokens (in ``ttft``'s order), and every
+    # gap: gap -> tokens (sim/slo.py)
+    tbt_worst: list[float] = field(default_factory=list, repr=False)
+    tbt_hist: Counter[float] = field(default_factory=Counter, repr=False)
+    slo: SloConfig = field(default_factory=SloConfig)  # goodput's bounds
+    pd: dict[str, Any] = field(default_factory=dict)  # prefill/decode apart: the split, transfers
     # cached prompt tokens by the tier they came from (device, host, store; their sum is
     # cached_tokens), and TTFTs by the lowest tier a request's prefix reached (or miss)
     tier_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS[:3], 0))
@@ -107,6 +114,21 @@ class SimResult:
         self.wait.append((req.first_scheduled_time or first) - arrival)
         if n > 1:
             self.tpot.append(((req.finish_time or first) - first) / (n - 1))
+
+    def record_tbt(self, worst: float) -> None:
+        """The longest gap between two tokens of the request ``record`` took last."""
+        self.tbt_worst.append(worst)
+
+    def tbt(self) -> dict[str, float]:
+        """p50 / p99 over every gap between two tokens of a request, in seconds."""
+        return gap_percentiles(self.tbt_hist)
+
+    def goodput(self) -> tuple[float, float] | None:
+        """Share of the finished requests and requests/s that met every SLO (None: no SLO)."""
+        if not self.slo.set:
+            return None
+        g = goodput(self.slo, self.ttft, self.tbt_worst, self.duration_s)
+        return g.share, g.rate
 
     def record_tiers(self, req: Req, landing: Landing | None = None) -> None:
         """Account a finished request's cached tokens by tier, and its TTFT under the lowest
@@ -219,6 +241,11 @@ class SimResult:
             "tier_ttft_s": {t: summarize(v) | {"n": len(v)} for t, v in self.tier_ttft.items()},
             "tiers": self.tiers,
             "tpot_s": summarize(self.tpot),
+            "tbt_s": self.tbt(),
+            "tbt_worst_s": summarize(self.tbt_worst),
+            "slo": {"ttft_ms": self.slo.slo_ttft_ms, "tbt_ms": self.slo.slo_tbt_ms},
+            "goodput": dict(zip(("share", "requests_per_s"), self.goodput() or (None, None))),
+            "pd": self.pd,
             "e2e_s": summarize(self.e2e),
             "wait_s": summarize(self.wait),
             "imbalance": self.imbalance(),
@@ -247,6 +274,8 @@ _COLUMNS: list[tuple[str, str]] = [
     ("best", "{}"),
     ("TTFT p50/p90/p99 s", "{}"),
     ("TPOT p50/p99 ms", "{}"),
+    ("TBT p50/p99 ms", "{}"),
+    ("goodput", "{}"),
     ("e2e p50/p90/p99 s", "{}"),
     ("wait p99 s", "{:.2f}"),
     ("max/mean req", "{:.2f}"),
@@ -257,6 +286,7 @@ _COLUMNS: list[tuple[str, str]] = [
 
 def _row(r: SimResult) -> list[str]:
     t, p, e = summarize(r.ttft), summarize(r.tpot), summarize(r.e2e)
+    tbt, good = r.tbt(), r.goodput()
     imb = r.imbalance()
     best = "-" if r.best_hit_rate is None else f"{r.best_hit_rate:.1%}"
     cells = [
@@ -267,6 +297,8 @@ def _row(r: SimResult) -> list[str]:
         best,
         f"{t['p50']:.2f}/{t['p90']:.2f}/{t['p99']:.2f}",
         f"{1e3 * p['p50']:.1f}/{1e3 * p['p99']:.1f}",
+        f"{1e3 * tbt['p50']:.1f}/{1e3 * tbt['p99']:.1f}",
+        "-" if good is None else f"{good[0]:.1%} {good[1]:.2f}/s",
         f"{e['p50']:.2f}/{e['p90']:.2f}/{e['p99']:.2f}",
         summarize(r.wait)["p99"],
         imb["requests"],
@@ -290,6 +322,13 @@ def format_table(results: Sequence[SimResult]) -> str:
         for r in results[1:]:
             lines.append(
                 f"{r.label} vs {base.label}: throughput x{r.output_throughput / base.output_throughput:.2f}, "
-                f"hit rate {base.hit_rate:.1%} -> {r.hit_rate:.1%}"
+                f"hit rate {base.hit_rate:.1%} -> {r.hit_rate:.1%}{_goodput_change(base, r)}"
             )
     return "\n".join(lines)
+
+
+def _goodput_change(base: SimResult, r: SimResult) -> str:
+    a, b = base.goodput(), r.goodput()
+    if a is None or b is None:
+        return ""
+    return f", goodput {a[0]:.1%} -> {b[0]:.1%}"

@@ -78,6 +78,7 @@ class SimTierConfig:
             if self.store_bandwidth_gbs is None
             else self.store_bandwidth_gbs * 1e9,
             base.store_latency_s if self.store_latency_ms is None else self.store_latency_ms / 1e3,
+            base.transfer_bandwidth,
         )
 
     def store_tokens(self, cost: CostModel) -> int:

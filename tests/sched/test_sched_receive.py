@@ -1,0 +1,67 @@
+"""The decode role: a request whose prompt was computed elsewhere reserves its slots, receives
+its KV and first token, and decodes to its end without a prefill step; no room is refused
+without keeping anything; an abort while the KV is on its way frees it and caches nothing."""
+
+from __future__ import annotations
+
+import pytest
+
+from radixserve.config import CacheConfig, SchedulerConfig
+from radixserve.sched.batch import StepResult
+from radixserve.sched.request import Req, SamplingParams
+from radixserve.sched.scheduler import Scheduler
+from test_sched_support import Clock
+
+
+def make(pool: int, page: int = 1) -> Scheduler:
+    cache = CacheConfig(max_total_tokens=pool, page_size=page)
+    return Scheduler(SchedulerConfig(), cache, clock=Clock())
+
+
+def req(rid: str, prompt: int, new: int) -> Req:
+    sp = SamplingParams(max_new_tokens=new, ignore_eos=True)
+    return Req(rid, list(range(10, 10 + prompt)), sp)
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_received_requests_decode_to_their_end_and_never_prefill(page: int) -> None:
+    sched = make(400, page)
+    a, b = req("a", 100, 20), req("b", 150, 30)
+    assert sched.reserve(a) and sched.reserve(b)
+    sched.check_integrity()
+    assert sched.step() is None  # nothing decodes before its KV has landed
+    sched.receive("a", 5)
+    steps = 0
+    while (batch := sched.step()) is not None:
+        assert not any(e.is_prefill for e in batch.entries)
+        sched.on_output(batch, StepResult([7] * len(batch.entries)))
+        sched.check_integrity()
+        if steps == 3:
+            sched.receive("b", 6)
+        steps += 1
+    assert a.output_ids == [5] + [7] * 19 and b.output_ids == [6] + [7] * 29
+    kv = sched.kv  # both finished: their sequences are cached, nothing is held
+    assert kv.allocator.available() + kv.cache.evictable_size() == kv.total
+    assert sched.cache.match_prefix(a.input_ids).length == (100 // page) * page
+
+
+def test_no_room_for_the_whole_generation_is_refused_keeping_nothing() -> None:
+    sched = make(400)
+    assert sched.reserve(req("a", 100, 200))  # 299 slots at its end
+    before = sched.kv.allocator.available()
+    late = req("b", 50, 60)  # 109 more: 408 > 400
+    assert not sched.reserve(late)
+    assert sched.kv.allocator.available() == before and sched.get("b") is None
+    sched.check_integrity()
+    with pytest.raises(ValueError, match="needs more KV slots than the pool holds"):
+        sched.reserve(req("c", 390, 20))
+
+
+def test_an_abort_while_the_kv_is_on_its_way_frees_it_and_caches_nothing() -> None:
+    sched = make(400)
+    a = req("a", 100, 20)
+    assert sched.reserve(a)
+    assert sched.abort("a")
+    sched.check_integrity()
+    assert sched.kv.allocator.available() == 400
+    assert sched.cache.match_prefix(a.input_ids).length == 0
