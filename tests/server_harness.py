@@ -45,7 +45,7 @@ class Reply:
 class ServerProcess:
     """One `python -m radixserve serve ... --port 0`; its output is kept for failure reports."""
 
-    def __init__(self, args: Sequence[str]) -> None:
+    def __init__(self, args: Sequence[str], start_timeout: float = START_TIMEOUT_S) -> None:
         cmd = [sys.executable, "-m", "radixserve", "serve", "--port", "0", "--log-level",
                "warning", *args]  # fmt: skip
         # a temporary directory of its own, to see that the engine's IPC sockets are removed
@@ -58,7 +58,7 @@ class ServerProcess:
         self._ready = threading.Event()
         self.name = self.url = ""
         threading.Thread(target=self._read, daemon=True).start()
-        if not self._ready.wait(START_TIMEOUT_S) or not self.url:
+        if not self._ready.wait(start_timeout) or not self.url:
             self.stop(check=False)
             raise RuntimeError("the server did not start:\n" + self.output())
         parts = urlsplit(self.url)

@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from radixserve.config import ModelConfig  # noqa: E402
+from radixserve.engine.launch import EngineConfig  # noqa: E402
 from radixserve.model.arch import ModelArch  # noqa: E402
 from radixserve.model.runner import TorchRunner  # noqa: E402
 from radixserve.modelfiles import locate as loader  # noqa: E402
@@ -80,6 +81,26 @@ def test_copies_of_one_gguf_share_one_cache_entry(tiny_pair, tmp_path):
     assert second == first and (first / "model.safetensors").stat().st_mtime_ns == stamp
     assert [p.name for p in cache.iterdir() if p.name.startswith("gguf-")] == [first.name]
     assert not [p for p in cache.iterdir() if p.name.startswith(".convert-")]  # no temp left
+
+
+def test_a_model_is_named_by_its_own_file_never_by_the_cache(tiny_pair, tmp_path):
+    """A GGUF is served under its file name without ``.gguf`` (each copy under its own, though
+    they share one converted entry), an HF directory under its name, a snapshot in the Hugging
+    Face hub's cache under its repo id; the engine's tokenizer (what ``Engine`` and the API
+    process hold) says the same as the scheduler's model info."""
+    hf_dir, gguf_path = tiny_pair
+    copy = tmp_path / "renamed.gguf"
+    shutil.copyfile(gguf_path, copy)
+    snapshot = tmp_path / "hub" / "models--Org--Tiny-Model" / "snapshots" / "0123abcd"
+    shutil.copytree(hf_dir, snapshot)
+    cache = str(tmp_path / "cache")
+    named = [(gguf_path, gguf_path.stem), (copy, "renamed"), (hf_dir, hf_dir.name),
+             (snapshot, "Org/Tiny-Model")]  # fmt: skip
+    for path, name in named:
+        config = ModelConfig(model=str(path), weights_cache_dir=cache)
+        assert loader.model_name(config) == loader.load_info(config).name == name
+        spec = EngineConfig.from_kwargs(model=str(path), weights_cache_dir=cache).tokenizer_spec()
+        assert spec.load().name == name
 
 
 def test_a_first_conversion_prints_its_progress(tiny_pair, tmp_path, capfd):

@@ -87,9 +87,12 @@ class EngineConfig:
     def tokenizer_spec(self) -> TokenizerSpec:
         if self.sim is not None:
             return TokenizerSpec("sim", None, self.model.context_length, self.sim_vocab_size)
-        from radixserve.modelfiles.locate import resolve_model_dir
+        from radixserve.modelfiles.locate import model_name, resolve_model_dir
 
-        return TokenizerSpec("hf", str(resolve_model_dir(self.model)), self.model.context_length)
+        model_dir = str(resolve_model_dir(self.model))
+        return TokenizerSpec(
+            "hf", model_dir, self.model.context_length, name=model_name(self.model)
+        )
 
     def build_worker(self) -> tuple[Any, Any, dict[str, Any]]:
         """Runner, Scheduler and model facts (called inside the scheduler process)."""

@@ -15,6 +15,7 @@ class TokenizerSpec:
     model_dir: str | None = None
     context_length: int | None = None
     vocab_size: int = SIM_VOCAB_SIZE
+    name: str | None = None  # the model's own (its GGUF file's or directory's), never model_dir's
 
     def load(self) -> Any:
         if self.kind == "sim":
@@ -24,4 +25,4 @@ class TokenizerSpec:
         from radixserve.modelfiles.tokenizer import load_model_info
 
         assert self.model_dir is not None
-        return load_model_info(self.model_dir, self.context_length)
+        return load_model_info(self.model_dir, self.context_length, self.name)

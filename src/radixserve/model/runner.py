@@ -24,7 +24,7 @@ from radixserve.model.loader import load_weights
 from radixserve.model.logits_process import process_logits
 from radixserve.model.logprobs import prompt_logprobs, sampled_logprobs
 from radixserve.model.sampler import Sampler
-from radixserve.modelfiles.locate import resolve_model_dir
+from radixserve.modelfiles.locate import model_name, resolve_model_dir
 from radixserve.modelfiles.tokenizer import ModelInfo, load_model_info
 from radixserve.sched.batch import Batch, BatchEntry, EntryLogprobs, StepResult
 from radixserve.sched.request import SamplingParams
@@ -49,7 +49,9 @@ class TorchRunner:
             model_config.attention_backend, self.device, self.dtype, self.kv_dtype, loaded
         )
         model_dir = resolve_model_dir(model_config)
-        self.info: ModelInfo = load_model_info(model_dir, model_config.context_length)
+        self.info: ModelInfo = load_model_info(
+            model_dir, model_config.context_length, model_name(model_config)
+        )
         arch = read_arch(model_dir)
         self.model = LlamaModel(
             arch, load_weights(model_dir), self.dtype, self.device, self.backend, self.kv_dtype,

@@ -47,6 +47,21 @@ def resolve_model_dir(config: ModelConfig) -> Path:
     raise FileNotFoundError(f"model {path} is neither a directory nor a .gguf file")
 
 
+def model_name(config: ModelConfig) -> str:
+    """The name the model is served under unless ``--served-model-name`` says otherwise: the
+    GGUF's file name without ``.gguf``, or the HF directory's name (``Org/Name`` for a snapshot
+    in the Hugging Face hub's cache). Never the converted copy's cache directory, whose name is a
+    content digest that says nothing to a client."""
+    path = Path(config.model).expanduser() if config.model else default_model_path()
+    if path.suffix == ".gguf":
+        return path.stem
+    path = Path(os.path.abspath(path))  # "." named; a symlink keeps the name it was given
+    hub_repo = path.parent.parent.name  # HF hub: models--Org--Name/snapshots/<commit>/
+    if path.parent.name == "snapshots" and hub_repo.startswith("models--"):
+        return hub_repo.removeprefix("models--").replace("--", "/")
+    return path.name
+
+
 def model_path_problem(model: str) -> str | None:
     """What keeps ``model`` from being loaded, without reading it (the CLI checks this before
     starting any process), or None."""
@@ -62,4 +77,4 @@ def model_path_problem(model: str) -> str | None:
 
 def load_info(config: ModelConfig) -> ModelInfo:
     """Tokenizer and model facts for ``config`` without loading weights (no torch needed)."""
-    return load_model_info(resolve_model_dir(config), config.context_length)
+    return load_model_info(resolve_model_dir(config), config.context_length, model_name(config))

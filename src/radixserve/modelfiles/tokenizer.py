@@ -7,7 +7,6 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
-import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -102,9 +101,12 @@ def _compile_template(source: str) -> Any:
     return env.from_string(source)
 
 
-def load_model_info(model_dir: str | Path, context_length: int | None = None) -> ModelInfo:
+def load_model_info(
+    model_dir: str | Path, context_length: int | None = None, name: str | None = None
+) -> ModelInfo:
     """Read tokenizer.json, tokenizer_config.json, config.json and generation_config.json of an
-    HF directory; ``context_length`` overrides the model's own."""
+    HF directory; ``context_length`` overrides the model's own. ``name`` is the model's (see
+    ``locate.model_name``; a converted GGUF's directory must be given one), else the directory's."""
     root = Path(model_dir)
     config = _read_json(root / "config.json")
     tok_config = _read_json(root / "tokenizer_config.json")
@@ -123,7 +125,7 @@ def load_model_info(model_dir: str | Path, context_length: int | None = None) ->
         eos_token_ids=eos,
         bos_token_id=bos,
         chat_template=_chat_template(root, tok_config),
-        name=re.sub(r"-[0-9a-f]{16}$", "", root.name),  # a converted GGUF's cache-key suffix
+        name=root.name if name is None else name,
     )
 
 

@@ -29,7 +29,9 @@ class ServerConfig:
         ge=3,
     )
     served_model_name: str | None = _f(
-        None, "the model name clients send and see (default: the model's own name)"
+        None,
+        "the model name clients send and see (default: the GGUF's file name without .gguf, "
+        "the model directory's name, or sim-PRESET with --sim)",
     )
     api_key: str | None = _f(
         None, "bearer key required on every endpoint but /health*, /get_loads, /metrics"

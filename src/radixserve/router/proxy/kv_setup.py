@@ -49,11 +49,10 @@ def load_tokenizer(path: str, vocab_size: int | None = None) -> Tokenizer:
 
         return SimTokenizer(vocab_size) if vocab_size else SimTokenizer()
     from radixserve.config import ModelConfig
-    from radixserve.modelfiles.locate import resolve_model_dir
-    from radixserve.modelfiles.tokenizer import load_model_info
+    from radixserve.modelfiles.locate import load_info
 
     model = None if path.startswith("built-in:") else path
-    return load_model_info(resolve_model_dir(ModelConfig(model=model)))
+    return load_info(ModelConfig(model=model))
 
 
 def prompt_ids(payload: dict[str, Any], tok: Tokenizer) -> list[int] | None:
