@@ -274,3 +274,35 @@ def test_host_and_store_ratios_rank_device_first_then_cheapest_load():
     assert policy.select(workers, view(PROMPT), 0.0) == 2
     workers[2] = WorkerView("w2", kv_load_ratio=0.6)  # 614: now the host tier's w1 is cheapest
     assert policy.select(workers, view(PROMPT), 0.0) == 1
+
+
+def test_prefill_work_prices_the_host_and_the_store_apart():
+    # device 200, host up to 600, store up to 1,000: 400 loaded at each tier's ratio
+    assert prefill_work(1000, 200, 600, 0.1, 1000, 0.5) == pytest.approx(40 + 200)
+    # no store ratio reported: the default, and never less than the host's
+    assert prefill_work(1000, 0, 0, 0.05, 1000) == pytest.approx(DEFAULT_LOAD_RATIO * 1000)
+    assert prefill_work(1000, 0, 0, 0.3, 1000) == pytest.approx(300)
+    assert prefill_work(1000, 0, 1000, 0.1, 1000, 0.5) == pytest.approx(100)  # host is nearer
+
+
+def test_the_store_ratio_a_worker_reports_decides_who_loads():
+    """Both hold the prompt lower down: w0 in its host tier, w1 only in the store. What each
+    reports in /get_loads (read as the router reads it) decides, tier by tier."""
+    from radixserve.router.proxy.worker_shapes import radixserve_load
+
+    def worker(name, loads):
+        load = radixserve_load({"num_running": 0, "num_waiting": 0, **loads})
+        return WorkerView(name, kv_load_ratio=load.kv_load_ratio,
+                          kv_store_load_ratio=load.kv_store_load_ratio)  # fmt: skip
+
+    policy = policy_with(FixedTier({"w1": len(PROMPT)}))
+    offload(policy, "w0", PROMPT)
+    w0 = worker("w0", {"kv_load_to_prefill_ratio": 0.3})  # 0.3 * 1,024 = 307
+    fast = worker("w1", {"kv_load_to_prefill_ratio": 0.3, "kv_store_load_to_prefill_ratio": 0.2})
+    assert policy.select([w0, fast], view(PROMPT), 0.0) == 1  # 205
+    slow = worker("w1", {"kv_load_to_prefill_ratio": 0.01, "kv_store_load_to_prefill_ratio": 0.4})
+    assert policy.select([w0, slow], view(PROMPT), 0.0) == 0  # 410: its fast host is no help
+    # measured nothing for the store yet (null): charged the default 0.1 -> 102, w1 again
+    unmeasured = worker("w1", {"kv_load_to_prefill_ratio": 0.01,
+                               "kv_store_load_to_prefill_ratio": None})  # fmt: skip
+    assert policy.select([w0, unmeasured], view(PROMPT), 0.0) == 1

@@ -348,3 +348,32 @@ def test_our_engine_s_measured_ratio_in_its_server_info_is_the_worker_s_ratio():
     for bad in ({"kv_load_to_prefill_ratio": -1}, {"kv_load_to_prefill_ratio": True},
                 {"kv_load_to_prefill_ratio": "0.1"}, {"engine": None}, None):  # fmt: skip
         assert server_load_ratio(bad) is None
+
+
+def test_our_engine_s_store_ratio_reaches_the_router_beside_the_host_s():
+    """An engine reports the store's ratio (kv_store_load_to_prefill_ratio) once a prefetch has
+    read pages: null before (kv_aware then charges its default); the latest report wins."""
+    kinds = WorkerKinds("radixserve")
+    kinds.register("w1", "http://127.0.0.1:9")
+    loads = {
+        "num_running": 0,
+        "num_waiting": 0,
+        "waiting_prefill_tokens": 0,
+        "kv_load_to_prefill_ratio": 0.004,
+        "kv_store_load_to_prefill_ratio": None,
+    }
+    answers = {"/get_server_info": {"kv_events": None, "kv_load_to_prefill_ratio": 0.005,
+                                    "kv_store_load_to_prefill_ratio": None},
+               "/get_loads": loads}  # fmt: skip
+
+    async def get(path: str) -> tuple[int, bytes]:
+        return (200, json.dumps(answers[path]).encode()) if path in answers else (404, b"")
+
+    asyncio.run(kinds.adapter("w1", "http://127.0.0.1:9", get)("/get_server_info"))
+    asyncio.run(kinds.read_load("w1", "http://127.0.0.1:9", get))
+    assert kinds.load_ratios("w1") == (0.004, None)
+    loads["kv_store_load_to_prefill_ratio"] = 0.031
+    asyncio.run(kinds.read_load("w1", "http://127.0.0.1:9", get))
+    assert kinds.load_ratios("w1") == (0.004, 0.031)
+    info = {"engine": {"kv_store_load_to_prefill_ratio": 0.5}}
+    assert server_load_ratio(info, "kv_store_load_to_prefill_ratio") == 0.5

@@ -25,9 +25,12 @@ class LowerHoldings(Protocol):
 
 
 class TierSource(ABC):
-    """Leading prompt tokens each worker can load from a lower tier."""
+    """Leading prompt tokens each worker can load from a lower tier: its own host tier
+    (``tier`` "host") or a KV store ("store"), each priced at the ratio the worker reports
+    for it."""
 
     name: str = "lower"
+    tier: str = "store"
 
     @abstractmethod
     def loadable_tokens(
@@ -59,7 +62,7 @@ class HostTier(TierSource):
     medium other than the device's, such as vLLM's "CPU" offload tier), read from the event
     index: per worker, the leading prompt tokens it holds on device or there."""
 
-    name = "host"
+    name = tier = "host"
 
     def __init__(self, index: LowerHoldings) -> None:
         self.index = index

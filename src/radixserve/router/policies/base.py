@@ -24,8 +24,9 @@ class WorkerView:
     of its in-flight prompts (``queued_tokens``, least_load's tie-break: key units in the
     router, which sees text, tokens in the simulator; only compared between workers), and the
     prefill tokens it reported waiting (``prefill_tokens``, None: no report) at ``reported_at``,
-    and the time it takes to load one token of KV from a lower tier (host memory, a KV store)
-    over the time it takes to prefill one (``kv_load_ratio``, None: not reported)."""
+    and the time it takes to load one token of KV over the time it takes to prefill one: from
+    its host tier (``kv_load_ratio``) and from a KV store (``kv_store_load_ratio``), as the
+    worker measures them (None: not reported; kv_aware's prefill_work says what it charges)."""
 
     id: Hashable
     load: int = 0
@@ -34,6 +35,7 @@ class WorkerView:
     prefill_tokens: int | None = None
     reported_at: float = float("-inf")
     kv_load_ratio: float | None = None
+    kv_store_load_ratio: float | None = None
 
 
 @dataclass(slots=True, frozen=True)

@@ -68,16 +68,20 @@ Registered as `--policy kv_aware`; pure (no I/O, no clock)."""
 # (benchmarks/kv_aware_headroom.py). It needs per-worker holdings, which the in-memory index
 # has; an index that reports none (Redis, as the router reads it) leaves the score to decide.
 #
-# Lower tiers (issue 28). Tokens a worker can load rather than compute (from its host tier, as
-# its KV events' `medium` announces it (HostTier), or from a KV store every worker reads:
-# Mooncake Store, as its master's metadata says; TierSource)
-# cost their load time in prefill tokens: loadable(w) - cached(w) tokens weigh the worker's
-# reported load-to-prefill ratio (WorkerView.kv_load_ratio: seconds to load a token over seconds
-# to prefill one, as the engine measures them). So the first term reads
+# Lower tiers (issue 28). Tokens a worker can load rather than compute cost their load time in
+# prefill tokens, at the load-to-prefill ratio the worker reports for the tier they come from
+# (seconds to load a token over seconds to prefill one, the engine's running means of its own
+# timings: engine/load_meter.py; WorkerView.kv_load_ratio, kv_store_load_ratio). host(w): the
+# leading tokens it holds on device or in its host tier, as its KV events' `medium` announces
+# them (HostTier); store(w): those in a KV store every worker reads (Mooncake Store, as its
+# master's metadata says; TierSource). A prefix loads from the nearest tier holding it:
 #
-#     (P - max(cached(w), loadable(w))) + ratio(w) * max(0, loadable(w) - cached(w))
+#     near = max(cached, host),  held = max(near, store)
+#     (P - held) + r_host(w) * (near - cached) + r_store(w) * (held - near)
 #
-# A worker that reports no ratio is charged DEFAULT_LOAD_RATIO (see there). Llumnix counts a
+# A worker that reports no host ratio is charged DEFAULT_LOAD_RATIO (see there); no store
+# ratio, the larger of that and its host ratio (a store load lands in the host tier and is
+# copied on from there: it never costs less than a host load). Llumnix counts a
 # store hit as a hit (ratio 0); with a ratio the device holder still wins a tie, and a worker
 # that can load a prefix cheaply takes it over a busier one that holds it on device. While a
 # source cannot answer (its service down) it counts for no worker: the score is the device's.
@@ -219,7 +223,8 @@ class KvAwarePolicy(RouterPolicy):
             return min(eligible, key=lambda i: self._least_loaded(workers[i]))
         cached = self._cached(workers, healthy, request, size)
         self._matches = (request, cached)
-        loadable = self.loadable_tokens(workers, healthy, request, size)
+        host, store = self.tier_tokens(workers, healthy, request, size)
+        loadable = {w: max(host.get(w, 0), store.get(w, 0)) for w in host.keys() | store.keys()}
         self._loadable = (request, loadable)
         # Workers holding KEEP_SHARE of the prompt stay eligible over the load gates and are
         # never spilled from: the request adds the last few percent of its prefill there, the
@@ -243,8 +248,8 @@ class KvAwarePolicy(RouterPolicy):
             if small:  # no holder to prefer: placed as a new prefix is
                 work = float(size)
             else:
-                held, can_load = cached.get(w.id, 0), loadable.get(w.id, 0)
-                work = prefill_work(size, held, can_load, w.kv_load_ratio)
+                held, near, far = (t.get(w.id, 0) for t in (cached, host, store))
+                work = prefill_work(size, held, near, w.kv_load_ratio, far, w.kv_store_load_ratio)
             recent = self._shares.count(w.id)
             return (work + PENDING_WEIGHT * self.pending(w), w.load, recent, self.rng.random())
 
@@ -392,18 +397,26 @@ class KvAwarePolicy(RouterPolicy):
     def loadable_tokens(
         self, workers: Sequence[WorkerView], among: Sequence[int], request: RequestView, size: int
     ) -> dict[Hashable, int]:
-        """Leading prompt tokens each worker can load from a lower tier (the most any source
-        says; sources that cannot answer say nothing), at most the prompt."""
+        """Leading prompt tokens each worker can load from a lower tier, at most the prompt."""
+        host, store = self.tier_tokens(workers, among, request, size)
+        return {w: max(host.get(w, 0), store.get(w, 0)) for w in host.keys() | store.keys()}
+
+    def tier_tokens(
+        self, workers: Sequence[WorkerView], among: Sequence[int], request: RequestView, size: int
+    ) -> tuple[dict[Hashable, int], dict[Hashable, int]]:
+        """Leading prompt tokens each worker can load from its host tier and from a KV store
+        (the most any source of the tier says; sources that cannot answer say nothing)."""
         ids = [workers[i].id for i in among]
-        out: dict[Hashable, int] = {}
+        host: dict[Hashable, int] = {}
+        store: dict[Hashable, int] = {}
         if not self.lower or not request.token_ids:
-            return out
+            return host, store
         keys_for = self._keys_for(request)
         for source in self.lower:
-            answer = source.loadable_tokens(ids, keys_for)
-            for w, n in (answer or {}).items():
+            out = host if source.tier == "host" else store
+            for w, n in (source.loadable_tokens(ids, keys_for) or {}).items():
                 out[w] = min(max(out.get(w, 0), n), size)
-        return out
+        return host, store
 
     def expected_hit_rate(self) -> float:
         """Share of dispatched prompt tokens the chosen worker held."""
@@ -518,13 +531,25 @@ class InFlightBlocks:
         return leading_held(keys, self._counts.get(worker, {}))
 
 
-def prefill_work(size: int, cached: int, loadable: int, ratio: float | None) -> float:
+def prefill_work(
+    size: int,
+    cached: int,
+    loadable: int,
+    ratio: float | None,
+    store: int = 0,
+    store_ratio: float | None = None,
+) -> float:
     """A worker's prefill work for a prompt of ``size`` tokens, in tokens: what it must compute,
-    plus what it loads from a lower tier weighed by its load-to-prefill ``ratio`` (None:
-    DEFAULT_LOAD_RATIO); device-cached tokens cost nothing."""
-    held = min(max(cached, loadable), size)
-    load = max(0, held - cached)
-    return size - held + (DEFAULT_LOAD_RATIO if ratio is None else ratio) * load
+    plus what it loads from its host tier (``loadable``: leading tokens on device or there)
+    weighed by ``ratio`` (None: DEFAULT_LOAD_RATIO) and what only a store holds (``store``)
+    weighed by ``store_ratio`` (None: the larger of the default and the host's); device-cached
+    tokens cost nothing."""
+    cached = min(cached, size)
+    near = min(max(cached, loadable), size)
+    held = min(max(near, store), size)
+    host_ratio = DEFAULT_LOAD_RATIO if ratio is None else ratio
+    far_ratio = max(DEFAULT_LOAD_RATIO, host_ratio) if store_ratio is None else store_ratio
+    return size - held + host_ratio * (near - cached) + far_ratio * (held - near)
 
 
 def servable(size: int, block_size: int) -> int:

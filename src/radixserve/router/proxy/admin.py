@@ -146,6 +146,9 @@ class Endpoints:
             if pending is not None:  # kv_aware: prefill the worker reported, and the total
                 row["reported_prefill_tokens"] = w.prefill_tokens
                 row["pending_prefill_tokens"] = pending
+                # what its tier-aware score charges a loaded token (None: the default)
+                row["kv_load_to_prefill_ratio"] = w.kv_load_ratio
+                row["kv_store_load_to_prefill_ratio"] = w.kv_store_load_ratio
             rows.append(row)
         return 200, {"workers": rows}
 

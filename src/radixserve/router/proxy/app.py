@@ -177,7 +177,7 @@ class Router(Endpoints):
             (tokens, at) if tokens is not None else (None, float("-inf"))
         )
         # ours: what loading a token from a lower tier costs against prefilling one
-        worker.kv_load_ratio = self.kinds.load_ratio(worker.id)
+        worker.kv_load_ratio, worker.kv_store_load_ratio = self.kinds.load_ratios(worker.id)
 
     async def _tick_loop(self) -> None:
         while True:

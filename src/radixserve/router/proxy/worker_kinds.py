@@ -16,6 +16,7 @@ from typing import Any
 
 from radixserve.router.proxy.worker_shapes import (
     DETECT_PATHS,
+    STORE_RATIO,
     WORKER_TYPES,
     Answer,
     EventSource,
@@ -56,6 +57,7 @@ class KindState:
     load: WorkerLoad | None = None
     load_at: float = float("-inf")
     load_ratio: float | None = None  # ours: kv_load_to_prefill_ratio from /get_server_info
+    store_load_ratio: float | None = None  # ours: kv_store_load_to_prefill_ratio, from there
     unknown_until: float = float("-inf")  # answered, but as no kind known: ask again after
     said: set[str] = field(default_factory=set)
 
@@ -217,7 +219,9 @@ class WorkerKinds:
                     own = json_of(await get("/get_server_info"))
                     if isinstance(own, dict) and "kv_store" in own:
                         out["kv_store"] = own["kv_store"]
-                    self.state(worker_id).load_ratio = server_load_ratio(own)
+                    state = self.state(worker_id)
+                    state.load_ratio = server_load_ratio(own)
+                    state.store_load_ratio = server_load_ratio(own, STORE_RATIO)
                 return out
             obj = json_of(await get(path))
             return obj if isinstance(obj, dict) else None
@@ -225,13 +229,20 @@ class WorkerKinds:
         return fetch
 
     def load_ratio(self, worker_id: str) -> float | None:
-        """What loading a token's KV costs the worker against prefilling it: its last load
+        """What loading a token's KV from its host tier costs the worker against prefilling
+        it: its last load report's, else its server info's (None: it says nothing)."""
+        return self.load_ratios(worker_id)[0]
+
+    def load_ratios(self, worker_id: str) -> tuple[float | None, float | None]:
+        """The host tier's and the KV store's load-to-prefill ratios, each its last load
         report's, else its server info's (None: it says nothing)."""
         state = self.states.get(worker_id)
         if state is None:
-            return None
-        reported = state.load.kv_load_ratio if state.load is not None else None
-        return reported if reported is not None else state.load_ratio
+            return None, None
+        load = state.load or WorkerLoad()
+        host, store = load.kv_load_ratio, load.kv_store_load_ratio
+        return (host if host is not None else state.load_ratio,
+                store if store is not None else state.store_load_ratio)  # fmt: skip
 
     def reported(self, worker_id: str) -> WorkerLoad | None:
         """The load the worker last reported (None: it does not report one)."""

@@ -181,6 +181,9 @@ def radixserve_event_sources(info: Any) -> list[EventSource]:
 
 # ----- pure: loads -----
 
+HOST_RATIO = "kv_load_to_prefill_ratio"  # our engines' names for their two ratios
+STORE_RATIO = "kv_store_load_to_prefill_ratio"
+
 
 @dataclass(frozen=True, slots=True)
 class WorkerLoad:
@@ -194,7 +197,8 @@ class WorkerLoad:
     waiting_prefill_tokens: int | None = None
     prefix_queries: float | None = None
     prefix_hits: float | None = None
-    kv_load_ratio: float | None = None  # ours: lower-tier load time / prefill time per token
+    kv_load_ratio: float | None = None  # ours: host-tier load time / prefill time per token
+    kv_store_load_ratio: float | None = None  # ours: the same from the KV store
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
@@ -277,7 +281,7 @@ def radixserve_load(obj: Any) -> WorkerLoad | None:
     if not isinstance(obj, dict):
         return None
     get = {k: obj.get(k) for k in ("num_running", "num_waiting", "waiting_prefill_tokens")}
-    kv, ratio = obj.get("kv_usage"), obj.get("kv_load_to_prefill_ratio")
+    kv = obj.get("kv_usage")
     load = WorkerLoad(
         running=get["num_running"] if _int(get["num_running"]) else None,
         waiting=get["num_waiting"] if _int(get["num_waiting"]) else None,
@@ -285,23 +289,29 @@ def radixserve_load(obj: Any) -> WorkerLoad | None:
         waiting_prefill_tokens=(
             get["waiting_prefill_tokens"] if _int(get["waiting_prefill_tokens"]) else None
         ),
-        kv_load_ratio=float(ratio) if _num(ratio) and ratio >= 0 else None,
+        kv_load_ratio=_ratio(obj.get(HOST_RATIO)),
+        kv_store_load_ratio=_ratio(obj.get(STORE_RATIO)),
     )
     return None if load == WorkerLoad() else load
 
 
-def server_load_ratio(info: Any) -> float | None:
-    """The load-to-prefill ratio our /get_server_info reports (``kv_load_to_prefill_ratio``,
-    at the top or in its ``engine`` facts): seconds to load a token's KV from the host into
-    the device pool over seconds to prefill one, as the engine measured at start-up. None
-    where it says none (a simulated engine, another kind): kv_aware charges its default."""
+def server_load_ratio(info: Any, key: str = HOST_RATIO) -> float | None:
+    """A load-to-prefill ratio our /get_server_info reports (``key``: the host tier's
+    ``kv_load_to_prefill_ratio`` or the store's ``kv_store_load_to_prefill_ratio``, at the top
+    or in its ``engine`` facts): seconds to load a token's KV into the device pool over seconds
+    to prefill one, as the engine measures them. None where it says none (nothing measured
+    yet, another kind): kv_aware charges its default."""
     if not isinstance(info, dict):
         return None
-    ratio = info.get("kv_load_to_prefill_ratio")
+    ratio = info.get(key)
     engine = info.get("engine")
     if ratio is None and isinstance(engine, dict):
-        ratio = engine.get("kv_load_to_prefill_ratio")
-    return float(ratio) if _num(ratio) and ratio >= 0 else None
+        ratio = engine.get(key)
+    return _ratio(ratio)
+
+
+def _ratio(v: Any) -> float | None:
+    return float(v) if _num(v) and v >= 0 else None
 
 
 def _int(v: Any) -> bool:

@@ -24,6 +24,7 @@ from radixserve.router.proxy.upstream_pool import (  # noqa: F401  (re-exported:
     UpstreamError,
     check_url,
 )
+from radixserve.router.proxy.worker_shapes import WorkerLoad, radixserve_load
 
 log = logging.getLogger("radixserve.router")
 
@@ -80,7 +81,8 @@ class Worker:
     addrs: frozenset[tuple[str, int]] = frozenset()
     prefill_tokens: int | None = None  # waiting prefill the worker reported (polled loads)
     reported_at: float = float("-inf")  # when that report was asked for (monotonic)
-    kv_load_ratio: float | None = None  # lower-tier load time / prefill time per token, reported
+    kv_load_ratio: float | None = None  # host-tier load time / prefill time per token, reported
+    kv_store_load_ratio: float | None = None  # the same from the KV store
     counts: dict[str, int] = field(default_factory=lambda: {"requests": 0, "errors": 0})
 
     def view(self, now: float) -> WorkerView:
@@ -93,6 +95,7 @@ class Worker:
             self.prefill_tokens,
             self.reported_at,
             self.kv_load_ratio,
+            self.kv_store_load_ratio,
         )
 
     def info(self) -> dict[str, object]:
@@ -292,9 +295,9 @@ class WorkerRegistry:
         ok = isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0
         worker.prefill_tokens, worker.reported_at = (tokens, asked) if ok else (None, float("-inf"))
         # what loading a token from its host tier or the store costs against prefilling one
-        ratio = loads.get("kv_load_to_prefill_ratio")
-        ok = isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and ratio >= 0
-        worker.kv_load_ratio = float(ratio) if ok else None
+        reported = radixserve_load(loads) or WorkerLoad()
+        worker.kv_load_ratio = reported.kv_load_ratio
+        worker.kv_store_load_ratio = reported.kv_store_load_ratio
 
     def _record_probe(self, worker: Worker, ok: bool) -> None:
         h = self.health
