@@ -181,6 +181,24 @@ def test_kv_aware_scores_the_store_and_engines_report_their_ratio() -> None:
     assert off._store_source not in off.policy.lower  # (the host tier kv_aware always reads)
 
 
+def test_engines_report_their_cost_model_s_ratios_to_the_router() -> None:
+    """What the sim's router is given (each engine's reported view): the cost model's host
+    ratio where engines have a host tier, its store ratio (host copy included) where there is
+    a store; None for a tier they lack (kv_aware then charges its default)."""
+    cache = CacheConfig(max_total_tokens=20_000, enable_hierarchical_cache=True)
+    sim, _ = run(two_of_one_prompt(), cache=cache, tiers=SimTierConfig(kv_store_gb=1.0),
+                 router="kv_aware")  # fmt: skip
+    seen = sim.engines[1].reported_view(0.0)
+    host = COST.host_load_to_prefill_ratio(sim.tier_spec)
+    assert seen.kv_load_ratio == pytest.approx(host) and host > 0
+    assert seen.kv_store_load_ratio == pytest.approx(COST.load_to_prefill_ratio(sim.tier_spec))
+    assert seen.kv_store_load_ratio > seen.kv_load_ratio
+    assert sim.tier_report()["host_load_to_prefill_ratio"] == pytest.approx(host)
+    bare, _ = run(two_of_one_prompt(), router="kv_aware")
+    seen = bare.engines[0].reported_view(0.0)
+    assert seen.kv_load_ratio is None and seen.kv_store_load_ratio is None
+
+
 def test_cli_reports_hits_and_ttft_by_tier(capsys: pytest.CaptureFixture[str]) -> None:
     code = main([
         "sim", "--workload", "multi-turn", "--num-sessions", "12", "--turns", "3",

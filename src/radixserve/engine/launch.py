@@ -119,14 +119,29 @@ class EngineConfig:
             cache = dataclasses.replace(cache, max_total_tokens=cost.kv_capacity_tokens)
         runner = SimRunner(cost, vocab_size=tok.vocab_size, eos_token_id=tok.eos_token_ids[0])
         info = {"model": f"sim-{self.sim}", "context_length": tok.context_length,
-                "eos_token_ids": tok.eos_token_ids, "vocab_size": tok.vocab_size}  # fmt: skip
+                "eos_token_ids": tok.eos_token_ids, "vocab_size": tok.vocab_size,
+                # what it reports to a kv_aware router: its cost model's, for the tiers it has
+                **self._sim_ratios(cost)}  # fmt: skip
         return runner, cache, info
 
+    def _sim_ratios(self, cost: Any) -> dict[str, float | None]:
+        """The cost model's load-to-prefill ratios: the host tier's with
+        --enable-hierarchical-cache, the store's with --sim-kv-store (None without)."""
+        from radixserve.engine.load_meter import ratio_fields
+
+        host = cost.host_load_to_prefill_ratio() if self.cache.enable_hierarchical_cache else None
+        store = cost.load_to_prefill_ratio() if self.sim_kv_store is not None else None
+        return ratio_fields(host, store)
+
     def _torch_runner(self) -> tuple[Any, CacheConfig, dict[str, Any]]:
-        from radixserve.model.load_ratio import measure_load_ratio
+        from radixserve.model.load_ratio import measure_load_sample, sample_ratio
         from radixserve.model.runner import TorchRunner
 
         runner = TorchRunner(self.model, self.cache.max_total_tokens)
+        # what a kv_aware router charges for KV this engine loads instead of computing: a
+        # prefill and a host -> device copy timed once here (only where there is a lower tier
+        # to load from: it costs two 1,024-token prefills), then running means while it serves
+        sample = measure_load_sample(runner) if self.cache.enable_hierarchical_cache else None
         info = {"model": runner.info.name, "context_length": runner.info.context_length,
                 "eos_token_ids": runner.info.eos_token_ids,
                 "vocab_size": runner.info.vocab_size,
@@ -134,10 +149,7 @@ class EngineConfig:
                 "dtype": str(runner.dtype).removeprefix("torch."),
                 "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch."),
                 "attention_backend": runner.backend.name,
-                # what a kv_aware router charges for KV this engine loads instead of computing
-                # (only where there is a lower tier to load from: it costs two 1,024-token prefills)
-                "kv_load_to_prefill_ratio": measure_load_ratio(runner)
-                if self.cache.enable_hierarchical_cache else None}  # fmt: skip
+                "kv_load_sample": sample, "kv_load_to_prefill_ratio": sample_ratio(sample)}  # fmt: skip
         return runner, self.cache, info
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import zmq
 
 from radixserve.engine.kv_events import KVEventPlane
+from radixserve.engine.load_meter import LoadRatioMeter, ratio_fields
 from radixserve.engine.messages import (
     AbortReq,
     CloseStream,
@@ -53,6 +54,11 @@ class Worker:
     )
     store: Any = None  # --sim-kv-store: SimStoreWriter, fed each finished prompt
     storage: Any = None  # --hicache-storage-backend: engine.storage_tier.StorageTier
+    # the load-to-prefill ratios it reports: measured (a real engine with a host tier: the
+    # meter, fed here and by the storage tier) or fixed (a simulated engine's cost model's;
+    # None without a tier to load from)
+    meter: LoadRatioMeter | None = None
+    ratios: dict[str, Any] = field(default_factory=lambda: ratio_fields(None, None))
     live: dict[str, Req] = field(default_factory=dict)  # requests whose tokens go out
     # prompt logprobs computed by prefill chunks, by position, until the first token goes out
     prompt_lp: dict[str, dict[int, TokenLogprob]] = field(default_factory=dict)
@@ -114,10 +120,10 @@ class Worker:
                 self.events.cleared()
             return flushed
         if msg.op == "stats":
-            stats = self.scheduler.stats()
-            if self.storage is None:
-                return stats
-            return {**dataclasses.asdict(stats), **self.storage.stats()}
+            stats = dataclasses.asdict(self.scheduler.stats())
+            if self.storage is not None:
+                stats.update(self.storage.stats())
+            return {**stats, **(self.meter.report() if self.meter else self.ratios)}
         if msg.op == "kv_events_snapshot":
             return self.events.snapshot() if self.events is not None else None
         if msg.op == "kv_events_stats":
@@ -152,9 +158,7 @@ class Worker:
         batch = self.scheduler.step()
         if batch is None:
             return False
-        if batch.kv_copies and self.tiers is not None:
-            self.tiers.apply(batch.kv_copies)  # before the forward may overwrite a slot they read
-        result = self.runner.run(batch)
+        result = self._run(batch)
         prompts = self._completed_prompts(batch) if self.storage is not None else []
         if self.realtime and result.duration:
             time.sleep(result.duration)
@@ -166,6 +170,21 @@ class Worker:
         if sent:
             self.push.send_pyobj(TokenBatch(sent))
         return True
+
+    def _run(self, batch: Batch) -> StepResult:
+        """The batch's page copies, then its forward; both timed where the meter is on."""
+        meter = self.meter
+        if batch.kv_copies and self.tiers is not None:
+            # before the forward may overwrite a slot they read
+            seconds, loaded = self.tiers.apply(batch.kv_copies)
+            if loaded and meter is not None:
+                meter.host_loaded(seconds, loaded)
+        t0 = time.perf_counter()
+        result = self.runner.run(batch)
+        # a step that samples nothing may return before a GPU has finished it: not timed
+        if meter is not None and batch.is_prefill and any(e.sample for e in batch.entries):
+            meter.prefilled(time.perf_counter() - t0, batch.num_tokens)
+        return result
 
     def _completed_prompts(self, batch: Batch) -> list[Req]:
         """Requests whose prompt this forward completed (their pages go to the storage tier
@@ -279,11 +298,13 @@ def run_scheduler(engine_config: Any, endpoints: Endpoints, ready: Any, parent_p
             return
         info["kv_store"] = store.info()
     tiers = _host_pool(runner, scheduler)
+    # a real engine with a host tier measures its ratios from its start-up sample on
+    meter = LoadRatioMeter.seeded(info.get("kv_load_sample")) if tiers is not None else None
     storage = None
     settings = engine_config.storage_settings()
     if settings is not None and tiers is not None:
         try:
-            storage = _storage_tier(settings, info, tiers, engine_config.model)
+            storage = _storage_tier(settings, info, tiers, engine_config.model, meter)
         except (ValueError, RuntimeError, OSError) as e:
             ready.send(("error", f"--hicache-storage-backend: {e}"))
             return
@@ -292,6 +313,9 @@ def run_scheduler(engine_config: Any, endpoints: Endpoints, ready: Any, parent_p
     worker = Worker(scheduler, runner, pull, push, engine_config.sim is not None, events, tiers)
     worker.store = store
     worker.storage = storage
+    worker.meter = meter
+    worker.ratios = ratio_fields(info.get("kv_load_to_prefill_ratio"),
+                                 info.get("kv_store_load_to_prefill_ratio"))  # fmt: skip
     try:
         worker.loop()
     finally:  # the writer's jobs dropped, their pins released
@@ -307,7 +331,9 @@ def _kv_events(engine_config: Any, scheduler: Scheduler) -> KVEventPlane | None:
     return KVEventPlane(engine_config.kv_events, scheduler.cache)
 
 
-def _storage_tier(settings: Any, info: dict[str, Any], pool: Any, model_config: Any) -> Any:
+def _storage_tier(
+    settings: Any, info: dict[str, Any], pool: Any, model_config: Any, meter: Any
+) -> Any:
     """The storage tier of a real engine: its namespace names the model (its name and a digest
     of its weight files) and the KV layout, so only engines whose pages are byte-compatible
     share keys (two fine-tunes of one name do not)."""
@@ -319,7 +345,7 @@ def _storage_tier(settings: Any, info: dict[str, Any], pool: Any, model_config: 
     model = f"{info.get('model')}@{weights_identity(resolve_model_dir(model_config))}"
     ns = KVNamespace(model, str(info.get("kv_cache_dtype")), int(layers), int(heads), int(dim),
                      settings.chunk_size)  # fmt: skip
-    return StorageTier(settings, ns, pool)
+    return StorageTier(settings, ns, pool, meter=meter)
 
 
 def _host_pool(runner: Any, scheduler: Scheduler) -> Any:

@@ -130,6 +130,7 @@ class _Fetch:
     got: int = 0  # pages loaded and accepted
     data: bytearray | None = None
     done: bool = False
+    seconds: float = 0.0  # the store's lookup and reads (the load-to-prefill ratio's sample)
 
 
 @dataclass(slots=True)
@@ -177,6 +178,7 @@ class StorageTier:
         namespace: KVNamespace,
         pool: Any,  # model.host_pool.HostKVPool
         clock: Callable[[], float] = time.monotonic,
+        meter: Any = None,  # engine.load_meter.LoadRatioMeter: fed each prefetch's read time
     ) -> None:
         from radixserve.kvstore.backends import create_backend
         from radixserve.kvstore.storage import PageFormat
@@ -187,6 +189,7 @@ class StorageTier:
         self.digest = namespace.digest()
         self.pool = pool
         self.clock = clock
+        self.meter = meter
         self.page_nbytes = pool.bytes_per_slot * self.chunk
         self.backend = create_backend(s.backend, PageFormat(self.digest, self.page_nbytes), s.extra)
         self.counts = StorageCounts()
@@ -387,6 +390,7 @@ class StorageTier:
 
     def _run_fetches(self) -> None:
         while (f := self._fetch_q.get()) is not None:
+            t0 = time.perf_counter()
             try:
                 f.found = self.backend.exists_prefix(f.keys)
                 if f.found:
@@ -397,6 +401,7 @@ class StorageTier:
             except Exception as e:  # a failing store reads as empty
                 log.warning("storage tier: prefetch failed: %r", e)
                 f.got = 0
+            f.seconds = time.perf_counter() - t0
             f.done = True
             self._done.put(f)
 
@@ -413,6 +418,8 @@ class StorageTier:
             if f.got < f.found:
                 self.counts.storage_prefetch_failures += 1
             if f.got:
+                if self.meter is not None:
+                    self.meter.store_loaded(f.seconds, f.got * self.chunk)
                 self._land(f, cache)
             if f.req is not None:
                 ready.append(f.req)

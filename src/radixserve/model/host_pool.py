@@ -4,6 +4,7 @@ pool that the scheduler's ``Batch.kv_copies`` list (applied before the batch's f
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,28 +36,41 @@ class HostKVPool:
     def bytes_per_slot(self) -> int:
         return self.nbytes // self.kv.shape[2]
 
-    def apply(self, copies: Sequence[Any]) -> None:
+    def apply(self, copies: Sequence[Any]) -> tuple[float, int]:
         """Run ``copies`` (``cache.tiers.PageCopy``) in order; a run of copies of one kind is
-        one gather and one scatter over all layers."""
-        i = 0
+        one gather and one scatter over all layers. Returns the seconds the loads (host ->
+        device) took and the slots they wrote, for the engine's load-to-prefill ratio."""
+        i, seconds, loaded = 0, 0.0, 0
         while i < len(copies):
             j = i
             while j < len(copies) and copies[j].kind == copies[i].kind:
                 j += 1
-            self._copy(copies[i].kind, copies[i:j])
+            if copies[i].kind == "store":
+                self._store(copies[i:j])
+            else:
+                t0 = time.perf_counter()
+                loaded += self._load(copies[i:j])
+                seconds += time.perf_counter() - t0
             i = j
+        return seconds, loaded
 
-    def _copy(self, kind: str, run: Sequence[Any]) -> None:
-        store = kind == "store"
-        src, dst = _pairs(run, store)
-        if store:
-            data = self.device_pool.read_slots(_ids(src, self.device_pool.kv.device))
-            self.kv.index_copy_(2, _ids(dst, "cpu"), data.to("cpu"))
-            self.bytes_stored += len(dst) * self.bytes_per_slot
-        else:
-            data = self.kv.index_select(2, _ids(src, "cpu"))
-            self.device_pool.write_slots(_ids(dst, self.device_pool.kv.device), data)
-            self.bytes_loaded += len(dst) * self.bytes_per_slot
+    def _store(self, run: Sequence[Any]) -> None:
+        src, dst = _pairs(run, True)
+        data = self.device_pool.read_slots(_ids(src, self.device_pool.kv.device))
+        self.kv.index_copy_(2, _ids(dst, "cpu"), data.to("cpu"))
+        self.bytes_stored += len(dst) * self.bytes_per_slot
+
+    def _load(self, run: Sequence[Any]) -> int:
+        """The loads of ``run``; on a GPU waits for the scatter, so that its time is the
+        load's (the forward after it waits for it anyway)."""
+        src, dst = _pairs(run, False)
+        data = self.kv.index_select(2, _ids(src, "cpu"))
+        device = self.device_pool.kv.device
+        self.device_pool.write_slots(_ids(dst, device), data)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        self.bytes_loaded += len(dst) * self.bytes_per_slot
+        return len(dst)
 
     # -- pages of the storage tier (engine.storage_tier) -------------------------------------
     def device_ready(self) -> Any:

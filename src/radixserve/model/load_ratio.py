@@ -1,6 +1,6 @@
-"""The engine's load-to-prefill ratio: seconds to copy N tokens' KV from host memory into the
-device pool over seconds to prefill N tokens, measured once at start-up. A kv_aware router
-prices KV a worker can load (host tier, KV store) at this ratio (`/get_server_info`)."""
+"""The engine's start-up load-to-prefill sample: seconds to copy N tokens' KV from host memory
+into the device pool and seconds to prefill N tokens, measured once before it serves. It seeds
+the running means the engine reports (engine/load_meter.py) in `/get_loads`."""
 
 # Measured on the runner itself, before it serves: one untimed prefill of N tokens (the first
 # call pays kernel selection and weight packing: timed, it made the ratio half what it is), then
@@ -33,6 +33,20 @@ RATIO_TOKENS = 1024
 def measure_load_ratio(runner: Any, tokens: int = RATIO_TOKENS) -> float | None:
     """Load time over prefill time of ``tokens`` tokens on a TorchRunner (3 significant
     digits); None for a runner without a KV pool (a simulated one) or with no room."""
+    return sample_ratio(measure_load_sample(runner, tokens))
+
+
+def sample_ratio(sample: dict[str, Any] | None) -> float | None:
+    """A sample's host load time over its prefill time (3 significant digits; None: none)."""
+    if not sample or sample["prefill_s"] <= 0:
+        return None
+    return float(f"{sample['host_load_s'] / sample['prefill_s']:.3g}")
+
+
+def measure_load_sample(runner: Any, tokens: int = RATIO_TOKENS) -> dict[str, Any] | None:
+    """``{"tokens", "prefill_s", "host_load_s"}``: the best timings of a prefill and of a host
+    -> device copy of ``tokens`` tokens (fewer where the pool or the context is shorter) on a
+    TorchRunner; None for a runner without a KV pool or with no room."""
     pool = getattr(runner, "kv", None)
     if pool is None:
         return None
@@ -54,7 +68,7 @@ def measure_load_ratio(runner: Any, tokens: int = RATIO_TOKENS) -> float | None:
         load = _best(lambda: pool.write_slots(slots, host), device, 2)
     finally:
         pool.kv[:, :, :n].zero_()
-    return float(f"{load / compute:.3g}") if compute > 0 else None
+    return {"tokens": n, "prefill_s": compute, "host_load_s": load}
 
 
 def _best(step: Callable[[], object], device: torch.device, runs: int) -> float:

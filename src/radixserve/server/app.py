@@ -30,6 +30,7 @@ from radixserve.server.routes import inference_routes
 from radixserve.server.state import ServerState
 
 STATS_TIMEOUT_S = 5.0  # a scrape should not hang on a scheduler stuck in a long step
+RATIOS = ("kv_load_to_prefill_ratio", "kv_store_load_to_prefill_ratio")  # engine/load_meter.py
 
 
 def create_app(config: ServerConfig, engine: EngineProcesses) -> FastAPI:
@@ -92,6 +93,12 @@ async def _stats(state: ServerState) -> dict[str, Any] | None:
         return None
 
 
+def _ratios(info: dict[str, Any], stats: dict[str, Any] | None) -> dict[str, Any]:
+    """The load-to-prefill ratios as the engine reports them now (its start-up values while
+    it cannot answer)."""
+    return {k: (stats or info).get(k) for k in RATIOS}
+
+
 async def _scheduler(state: ServerState) -> dict[str, Any]:
     """The scheduler's live settings (changed at run time or not); the launch settings if the
     engine cannot answer."""
@@ -126,11 +133,12 @@ def _open_routes(state: ServerState) -> APIRouter:
 
     @router.get("/get_loads")
     async def loads() -> dict[str, Any]:
-        """What a router balances on: requests running and waiting, prefill tokens left."""
+        """What a router balances on: requests running and waiting, prefill tokens left, and
+        what loading a token from the host tier / the store costs against prefilling it."""
         stats = await _stats(state)
         if stats is None:
             raise ApiError(503, "the engine did not answer", "engine_unavailable")
-        keys = ("num_running", "num_waiting", "waiting_prefill_tokens", "kv_usage")
+        keys = ("num_running", "num_waiting", "waiting_prefill_tokens", "kv_usage", *RATIOS)
         return {k: stats.get(k) for k in keys}
 
     @router.get("/metrics")
@@ -169,7 +177,7 @@ def _admin_routes(state: ServerState) -> APIRouter:
 
     @router.get("/get_server_info")
     async def server_info() -> dict[str, Any]:
-        ec = state.engine.config
+        ec, stats = state.engine.config, await _stats(state)
         return {
             "version": __version__, "served_model_name": state.model_name,
             "uptime_s": round(time.time() - state.started, 3),
@@ -178,8 +186,8 @@ def _admin_routes(state: ServerState) -> APIRouter:
             "engine": state.engine.info, "engine_alive": state.dead() is None,
             "kv_events": state.engine.info.get("kv_events"),
             "kv_store": state.engine.info.get("kv_store"),
-            "kv_load_to_prefill_ratio": state.engine.info.get("kv_load_to_prefill_ratio"),
-            "stats": await _stats(state),
+            **_ratios(state.engine.info, stats),
+            "stats": stats,
         }  # fmt: skip
 
     @router.api_route("/flush_cache", methods=["GET", "POST"])

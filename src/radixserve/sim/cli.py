@@ -283,6 +283,7 @@ def _tier_header(cluster: ClusterConfig, cache: CacheConfig) -> list[str]:
     if host:
         lines.append(
             f"host tier: {host:,} KV tokens per engine, copies at {spec.host_bandwidth / 1e9:g} GB/s"
+            f"; load/prefill ratio {cost.host_load_to_prefill_ratio(spec):.3f}"
         )
     store = cluster.tiers.store_tokens(cost)
     if store:

@@ -113,14 +113,21 @@ class _Engine:
 
     __slots__ = (
         "idx", "sched", "runner", "batch", "result", "awake", "load", "requests", "tokens", "run",
-        "ratio", "link_free", "landed",
+        "ratio", "host_ratio", "link_free", "landed",
     )  # fmt: skip
 
     def __init__(
-        self, idx: int, sched: Scheduler, runner: SimRunner, ratio: float | None = None
+        self,
+        idx: int,
+        sched: Scheduler,
+        runner: SimRunner,
+        ratio: float | None = None,
+        host_ratio: float | None = None,
     ) -> None:
         self.idx, self.sched, self.runner = idx, sched, runner
-        self.ratio = ratio  # load-to-prefill ratio it reports (None: no lower tier)
+        # the load-to-prefill ratios it reports, its cost model's: the store's and the host
+        # tier's (None: no such tier)
+        self.ratio, self.host_ratio = ratio, host_ratio
         self.link_free = 0.0  # when its link to the store is free for the next get
         self.landed: list[tuple[str, int]] = []  # store loads landed: applied at its next step
         self.batch: Batch | None = None
@@ -137,7 +144,8 @@ class _Engine:
         """The view plus the prefill tokens this engine has yet to compute, as a worker
         reports them to kv_aware."""
         left = self.sched.waiting_prefill_tokens()  # what /get_loads reports
-        return WorkerView(self.idx, self.requests, True, self.tokens, left, now, self.ratio)
+        return WorkerView(self.idx, self.requests, True, self.tokens, left, now,
+                          self.host_ratio, self.ratio)  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -175,6 +183,7 @@ class ClusterSim:
                 f"size {self.cache_config.page_size}"
             )
         ratio = cost.load_to_prefill_ratio(self.tier_spec) if self.store is not None else None
+        host_ratio = cost.host_load_to_prefill_ratio(self.tier_spec) if self.host_tokens else None
         host_s = cost.kv_bytes_per_token_per_gpu / self.tier_spec.host_bandwidth
         self.engines = [
             _Engine(
@@ -187,6 +196,7 @@ class ClusterSim:
                 ),
                 SimRunner(cost, seed=config.sim_seed, host_load_s_per_token=host_s),
                 ratio,
+                host_ratio,
             )
             for i in range(config.engines)
         ]
@@ -264,6 +274,8 @@ class ClusterSim:
             "host_tokens_per_engine": self.host_tokens,
             "host_loaded_tokens": sum(e.runner.host_loaded for e in self.engines),
         }
+        if self.host_tokens:
+            out["host_load_to_prefill_ratio"] = self.engines[0].host_ratio
         if self.store is not None:
             st = self.store
             out.update(

@@ -159,10 +159,18 @@ class CostModel:
 
     def load_to_prefill_ratio(self, tiers: TierSpec | None = None, tokens: int = 2048) -> float:
         """Seconds to load a token from the store (host copy included, as it lands there first)
-        over seconds to prefill one, for a prefix of ``tokens``: the ratio an engine reports
-        to kv_aware (WorkerView.kv_load_ratio)."""
+        over seconds to prefill one, for a prefix of ``tokens``: the store's ratio an engine
+        reports to kv_aware (WorkerView.kv_store_load_ratio)."""
         spec = tiers or self.tier_spec()
         load = self.store_load_time(tokens, spec) + self.host_load_time(tokens, spec)
+        return load / (tokens * self.prefill_time_per_token(tokens))
+
+    def host_load_to_prefill_ratio(
+        self, tiers: TierSpec | None = None, tokens: int = 2048
+    ) -> float:
+        """Seconds to copy a token from the host tier over seconds to prefill one, for a prefix
+        of ``tokens``: the host tier's ratio an engine reports (WorkerView.kv_load_ratio)."""
+        load = self.host_load_time(tokens, tiers or self.tier_spec())
         return load / (tokens * self.prefill_time_per_token(tokens))
 
     def step_time(self, entries: Iterable[StepEntry | tuple[int, int, bool]]) -> float:

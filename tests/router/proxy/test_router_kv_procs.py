@@ -195,3 +195,25 @@ def test_pending_prefill_is_reconciled_with_what_workers_report(procs):
     wait_for(lambda: rows()[busy["url"]]["pending_prefill_tokens"] == 0, "reconciliation")
     assert rows()[busy["url"]]["load"] == 1  # still decoding
     conn.close()
+
+
+def test_a_sim_worker_reports_its_cost_model_s_ratios_and_the_router_reads_them(procs):
+    """A `serve --sim` worker with a host tier reports its cost model's load-to-prefill ratio
+    for it in /get_loads (and none for a store it does not have); the router's poll reads it
+    into what kv_aware's tier-aware score charges that worker."""
+    from radixserve.sim.costmodel import get_cost_model
+
+    w = worker("--enable-hierarchical-cache", "--hicache-ratio", "2")
+    procs.append(w)
+    want = float(f"{get_cost_model('tiny-cpu').host_load_to_prefill_ratio():.3g}")
+    loads = w.get("/get_loads").json()
+    assert loads["kv_load_to_prefill_ratio"] == want > 0
+    assert loads["kv_store_load_to_prefill_ratio"] is None
+    router = RouterProc([w.url], "--policy", "kv_aware", "--health-check-interval-secs", "0.1")
+    procs.append(router)
+
+    def row() -> dict:
+        return router.call("GET", "/get_loads")[1]["workers"][0]
+
+    wait_for(lambda: row().get("kv_load_to_prefill_ratio") == want, "the ratio read")
+    assert row()["kv_store_load_to_prefill_ratio"] is None
