@@ -193,3 +193,16 @@ def test_decode_runs_give_an_xpyd_fleet_the_same_results_as_single_steps() -> No
         docs.append((doc, res.ttft, res.e2e, res.tbt_worst, res.tbt_hist, sim.run_counts["runs"]))
     assert docs[0][:-1] == docs[1][:-1]
     assert docs[0][-1] > 0 == docs[1][-1]
+
+
+@pytest.mark.parametrize("split", [(1, 3), (2, 2), (3, 1)])
+def test_prefill_pools_full_of_prompts_waiting_for_decode_room_still_drain(
+    split: tuple[int, int],
+) -> None:
+    """1,024 requests at once, 2,048-token system prompts: prefill engines fill their pools
+    with prompts waiting to be sent while decode engines are full; neither waits for the
+    other for good, and an engine that stopped for want of room starts again."""
+    reqs = generated_shared_prefix(SharedPrefixConfig(output_len=64))
+    config = ClusterConfig(engines=4, preset=TINY)
+    res = simulate_pd(reqs, split, config, cache_config=CacheConfig(max_total_tokens=24_929))
+    assert res.num_finished == len(reqs) and res.num_unfinished == 0

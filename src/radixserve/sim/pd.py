@@ -8,10 +8,13 @@
 #   prefill   the prefill engine admits it with its radix cache and scheduler as any request
 #             of one new token: a cached prefix is not recomputed; the prompt's KV stays
 #             pinned in its tree until it has been sent.
-#   reserve   the decode engine takes requests in arrival order as soon as its pool holds the
-#             prompt and everything every request there may still decode (sched/receive.py):
-#             a decode engine never retracts, so it never runs a prefill token.
-#   transfer  once both are done: the whole prompt's KV, bytes / the preset's network
+#   reserve   once prefilled, the decode engine takes it (in the order prefills end) as soon
+#             as its pool holds the prompt and everything every request there may still
+#             decode (sched/receive.py): a decode engine never retracts, so it never runs a
+#             prefill token. Reserving only then keeps the two pools from waiting on each
+#             other: slots held on a decode engine for prompts not yet computed, while the
+#             prefill engine's pool is full of prompts waiting for decode slots, is a deadlock.
+#   transfer  then: the whole prompt's KV, bytes / the preset's network
 #             bandwidth (--transfer-bandwidth-gbs), one transfer at a time on the prefill
 #             engine's link and on the decode engine's (later ones queue behind).
 #   decode    the KV and the first token land: that is the request's first token for its
@@ -73,8 +76,6 @@ class _Handoff:
     prefill: _Engine
     decode: _Engine
     dreq: Req  # the decode engine's request: the whole generation
-    prefilled: bool = False
-    reserved: bool = False
     first: int = 0  # the token the prefill engine sampled
     pinned: TreeNode | None = None  # the prompt's KV on the prefill engine, until sent
 
@@ -168,8 +169,6 @@ class PDClusterSim(ClusterSim):
         if d is not None:
             d.load.requests += 1
             self._handoffs[w.rid] = _Handoff(p, d, dreq)
-            self._queues[d.idx - self.num_prefill].append(w.rid)
-            self._wake(d)
         self._wake(p)
 
     def _pick_pair(
@@ -234,9 +233,7 @@ class PDClusterSim(ClusterSim):
             if not d.sched.reserve(h.dreq):
                 break
             queue.popleft()
-            h.reserved = True
-            if h.prefilled:
-                self._send(h)
+            self._send(h)
 
     # -- the handoff ---------------------------------------------------------------------------
     def _finish(self, rid: str) -> None:
@@ -247,7 +244,7 @@ class PDClusterSim(ClusterSim):
         self._leave(eng, view, len(req.input_ids))
         eng.load.cached_tokens += req.cached_tokens
         h = self._handoffs[rid]
-        h.first, h.prefilled = req.output_ids[0], True
+        h.first = req.output_ids[0]
         h.dreq.cached_tokens = req.cached_tokens
         h.dreq.first_scheduled_time = req.first_scheduled_time
         m = eng.sched.cache.match_prefix(req.input_ids)
@@ -255,8 +252,8 @@ class PDClusterSim(ClusterSim):
             h.pinned = m.last_node
             eng.sched.kv.pin(m.last_node)
         self._live[rid] = (h.dreq, h.decode, view)
-        if h.reserved:
-            self._send(h)
+        self._queues[h.decode.idx - self.num_prefill].append(rid)
+        self._wake(h.decode)
 
     def _send(self, h: _Handoff) -> None:
         """Start the prompt's KV on its way once the prefill engine's and the decode engine's
@@ -283,6 +280,8 @@ class PDClusterSim(ClusterSim):
         if h.pinned is not None:
             h.prefill.sched.kv.unpin(h.pinned)
             h.pinned = None
+            if h.prefill.sched.num_waiting:  # it may have stopped for want of that room
+                self._wake(h.prefill)
         h.dreq.first_token_time = self.now
         self.tbt.start(rid, self.now)
         self._landed[h.decode.idx - self.num_prefill].append(rid)
