@@ -284,6 +284,47 @@ def check_chat_flags(server, route: Route) -> None:
     assert cont < send(server, route, messages=partial, add_generation_prompt=False).prompt_tokens
 
 
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+def _tokens(server, **body: Any) -> int:
+    reply = server.post("/tokenize", {"messages": CHAT, **body})
+    assert reply.status == 200, reply.body
+    return reply.json()["count"]
+
+
+def check_tools(server, route: Route) -> None:
+    """Tools reach the template (this tiny model's context is too short to generate with them:
+    tests/server/test_server_tools.py runs the tool loop on SmolLM2)."""
+    assert _tokens(server, tools=[TOOL]) > _tokens(server)
+    bad = route.body(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "g"}})
+    assert (
+        assert_error_body(server.post(route.path, bad), 400)["param"] == "tool_choice.function.name"
+    )
+
+
+def check_tool_calls(server, route: Route) -> None:
+    """A past call is written into the prompt; a tool result must name the call it answers."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    history = [*CHAT, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    plain = [*CHAT, {"role": "assistant", "content": ""}]
+    assert _tokens(server, messages=history) > _tokens(server, messages=plain)
+    answer = {"role": "tool", "content": "1", "tool_call_id": "call_2"}
+    reply = server.post(route.path, route.body() | {"messages": [*history, answer]})
+    assert assert_error_body(reply, 400)["param"] == "messages.2.tool_call_id"
+
+
+def check_template_kwargs(server, route: Route) -> None:
+    """Variables the template does not use are refused, not dropped."""
+    reply = server.post(route.path, route.body(chat_template_kwargs={"enable_thinking": True}))
+    assert assert_error_body(reply, 400)["param"] == "chat_template_kwargs"
+
+
+def in_tool_tests(server, route: Route) -> None:
+    """Honoured on SmolLM2 in tests/server/test_server_tools.py (forced calls, one call only,
+    reasoning apart), which this tiny model's 128-token context cannot hold."""
+
+
 def check_accepted(server, route: Route, **fields: Any) -> None:
     """Identifiers and tags that change nothing a model computes (OpenAI uses them for abuse
     monitoring, its own cache buckets and stored completions; the router reads routing_key)."""
@@ -319,6 +360,13 @@ HONOURED: dict[str, Check] = {
     "sampling_params": check_sampling_params,
     "add_generation_prompt": check_chat_flags,
     "continue_final_message": check_chat_flags,
+    "tools": check_tools,
+    "tool_calls": check_tool_calls,
+    "tool_call_id": check_tool_calls,
+    "chat_template_kwargs": check_template_kwargs,
+    "tool_choice": in_tool_tests,
+    "parallel_tool_calls": in_tool_tests,
+    "separate_reasoning": in_tool_tests,
 }
 HONOURED |= make_checks(send, sampled, _limit)  # sampling, logprobs, structured output
 # accepted and changing nothing the model computes, by definition (see check_accepted)

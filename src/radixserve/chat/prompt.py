@@ -29,6 +29,7 @@ def template_inputs(
     parser: ToolParser | None, kwargs: dict[str, Any] | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # fmt: skip
     """The messages and the extra template variables (``tools``, ``chat_template_kwargs``)."""
+    _check_links(messages)
     extra = _checked_kwargs(kwargs or {}, template)
     if knows_tools(template):
         return [_for_template(m, i) for i, m in enumerate(messages)], extra | (
@@ -40,6 +41,17 @@ def template_inputs(
         raise ChatError("no tool-call parser for this model: start the server with "
                         "--tool-call-parser", "tools")  # fmt: skip
     return default_form(messages, tools or [], parser), extra
+
+
+def _check_links(messages: list[dict[str, Any]]) -> None:
+    """A tool message's ``tool_call_id`` must name a call of an earlier assistant message."""
+    ids: set[str] = set()
+    for i, m in enumerate(messages):
+        ids.update(c.get("id") for c in m.get("tool_calls") or [] if c.get("id"))
+        link = m.get("tool_call_id")
+        if link is not None and (m["role"] != "tool" or link not in ids):
+            raise ChatError("tool_call_id must be on a tool message and name an earlier "
+                            "assistant message's tool call", f"messages.{i}.tool_call_id")  # fmt: skip
 
 
 def _checked_kwargs(kwargs: dict[str, Any], template: str | None) -> dict[str, Any]:

@@ -72,6 +72,8 @@ class GenerateInput:
     continue_final_message: bool = False
     # max_new_tokens 0: prefill (and cache) the prompt only; no text comes back
     prefill_only: bool = False
+    # chat only: the template's variables besides the messages (tools, chat_template_kwargs)
+    template_vars: dict[str, Any] = field(default_factory=dict)
 
 
 def prompt_inputs(prompt: Any) -> tuple[list[GenerateInput], bool]:
@@ -160,10 +162,10 @@ class TokenizerManager:
         message is left open, so that the model continues it rather than answering it."""
         assert inp.messages is not None
         if any(m.get("name") for m in inp.messages):
-            self._check_names_used(inp.messages)
+            self._check_names_used(inp.messages, inp.template_vars)
         if not inp.continue_final_message:
             return self.tokenizer.apply_chat_template(
-                inp.messages, add_generation_prompt=inp.add_generation_prompt
+                inp.messages, add_generation_prompt=inp.add_generation_prompt, **inp.template_vars
             )
         if inp.add_generation_prompt:
             raise RequestError("continue_final_message and add_generation_prompt cannot both "
@@ -174,20 +176,22 @@ class TokenizerManager:
         last = inp.messages[-1]
         content = str(last.get("content") or "")
         marked = [*inp.messages[:-1], {**last, "content": content + CONTINUE_TAG}]
-        text = self.tokenizer.apply_chat_template(marked, add_generation_prompt=False)
+        text = self.tokenizer.apply_chat_template(
+            marked, add_generation_prompt=False, **inp.template_vars
+        )
         at = text.rfind(CONTINUE_TAG.strip())
         if at < 0 or content.strip() not in text:
             raise RequestError("continue_final_message needs a last message that the chat "
                                "template keeps")  # fmt: skip
         return text[:at] if text.startswith(CONTINUE_TAG, at) else text[:at].rstrip()
 
-    def _check_names_used(self, messages: list[dict[str, Any]]) -> None:
+    def _check_names_used(self, messages: list[dict[str, Any]], extra: dict[str, Any]) -> None:
         """A message's name reaches the model only through the chat template: refuse it where
         the template leaves it out, rather than drop it silently."""
         bare = [{k: v for k, v in m.items() if k != "name"} for m in messages]
 
         def render(ms: list[dict[str, Any]]) -> str:
-            return self.tokenizer.apply_chat_template(ms, add_generation_prompt=False)
+            return self.tokenizer.apply_chat_template(ms, add_generation_prompt=False, **extra)
 
         if render(bare) == render(messages):
             raise RequestError("this model's chat template does not use a message's name",

@@ -1,5 +1,6 @@
-"""Structured output: each request with a grammar (a JSON schema, any JSON, or a regex) has an
-xgrammar matcher that masks the tokens its grammar forbids before every draw.
+"""Structured output: each request with a grammar (a JSON schema, any JSON, a regex, or a forced
+tool call's structural tag) has an xgrammar matcher that masks the tokens its grammar forbids
+before every draw.
 
 A matcher is a function of the request's output so far, so it is rebuilt from ``output_ids``
 whenever it is missing or out of step: after a retraction, or once dropped for being idle.
@@ -62,6 +63,8 @@ class Grammars:
                 out = compiler.compile_regex(spec)
             elif kind == "json":
                 out = compiler.compile_builtin_json_grammar()
+            elif kind == "structural_tag":  # the server's own: a forced tool call
+                out = compiler.compile_structural_tag(spec)
             else:
                 raise ValueError(f"unknown grammar kind {kind!r}")
         except Exception as e:  # xgrammar's parse errors: "[time] file.cc:line: message"

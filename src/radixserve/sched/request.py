@@ -44,7 +44,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
-    grammar: tuple[str, str] | None = None  # ("json_schema" | "regex" | "json", spec)
+    grammar: tuple[str, str] | None = (
+        None  # ("json_schema" | "regex" | "json" | "structural_tag", spec)
+    )
     # log probabilities: of the sampled tokens, and of the prompt from logprob_start_len on
     return_logprob: bool = False
     top_logprobs_num: int = 0

@@ -48,6 +48,17 @@ class ServerConfig:
         "info", "log level", choices=("critical", "error", "warning", "info", "debug")
     )
     access_log: bool = _f(False, "log every HTTP request (costs CPU under load)")
+    tool_call_parser: str = _f(
+        "auto",
+        "format of the model's tool calls (auto: from the chat template; smollm2 where the "
+        "template knows no tools, as the default tools prompt asks for it)",
+        choices=("auto", "hermes", "qwen25", "llama3", "pythonic", "mistral", "smollm2"),
+    )
+    reasoning_parser: str | None = _f(
+        None,
+        "split the model's <think> reasoning off into reasoning_content",
+        choices=("qwen3", "deepseek-r1"),
+    )
     graceful_shutdown_secs: float = _f(
         5.0, "once told to stop, requests still running after this end with a 503", ge=0
     )

@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Depends
 from starlette.requests import Request
 
-from radixserve.engine.tokenizer_manager import GenerateInput, RequestError
+from radixserve.engine.tokenizer_manager import RequestError
 from radixserve.server.errors import ApiError
 from radixserve.server.protocol import (
     AbortRequest,
@@ -20,7 +20,7 @@ from radixserve.server.protocol import (
     TokenizeRequest,
     openapi_body,
 )
-from radixserve.server.routes import chat_message
+from radixserve.server.routes import chat_input
 from radixserve.server.state import ServerState, read_json
 
 
@@ -109,12 +109,10 @@ def _tokenize(state: ServerState, body: TokenizeRequest) -> list[int]:
     if (body.prompt is None) == (body.messages is None):
         raise ApiError(400, "give exactly one of prompt and messages", param="prompt")
     tm = state.tm
+    inp = chat_input(state, body) if body.messages is not None else None
     try:
-        if body.prompt is not None:
-            return tm.tokenizer.encode(body.prompt, body.add_special_tokens is not False)
-        messages = [chat_message(m, i) for i, m in enumerate(body.messages or [])]
-        inp = GenerateInput(messages=messages, add_generation_prompt=body.add_generation_prompt,
-                            continue_final_message=body.continue_final_message)  # fmt: skip
+        if inp is None:
+            return tm.tokenizer.encode(body.prompt or "", body.add_special_tokens is not False)
         return tm.tokenizer.encode(tm.render_chat(inp), body.add_special_tokens is True)
     except RequestError as e:
         raise ApiError.from_engine(e, "messages") from e

@@ -84,7 +84,7 @@ def _accepted(value: Any, extra: dict[str, Any]) -> bool:
 NOT_YET = "not implemented yet"
 NO_GRAMMAR = "structured output (a grammar engine) is not implemented yet"
 NO_LOGPROBS = "log probabilities are not returned yet"
-NO_TOOLS = "tool calling is not implemented for this server's chat templates"
+NO_TOOLS = "the deprecated functions API is not served: send tools and tool_choice"
 NO_MEDIA = "this server serves text-only models"
 NO_LORA = "LoRA adapters are not supported by this server"
 
@@ -245,15 +245,55 @@ class ContentPart(_Body):
     text: str | None = None
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str = "{}"  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(_Body):
+    """A call in a past assistant message."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: Any = unsupported(NO_TOOLS, None, ([],))
-    tool_call_id: Any = unsupported(NO_TOOLS)
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
     function_call: Any = unsupported(NO_TOOLS)
     refusal: Any = unsupported("a refusal in the history has no place in the chat template")
     audio: Any = unsupported(NO_MEDIA)
+
+
+ToolName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
+
+
+class FunctionDef(_Body):
+    name: ToolName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None  # a forced call always follows the schema, strict or not
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class ChatCompletionRequest(_OpenAISampling):
@@ -261,9 +301,9 @@ class ChatCompletionRequest(_OpenAISampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: Any = unsupported(NO_TOOLS, None, ([],))
-    tool_choice: Any = unsupported(NO_TOOLS, None, ("none",))
-    parallel_tool_calls: Any = unsupported(NO_TOOLS)
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None  # default: auto with tools, none without
+    parallel_tool_calls: bool = True
     functions: Any = unsupported(NO_TOOLS, None, ([],))
     function_call: Any = unsupported(NO_TOOLS, None, ("none",))
     audio: Any = unsupported(NO_MEDIA)
@@ -284,8 +324,9 @@ class ChatCompletionRequest(_OpenAISampling):
     continue_final_message: bool = False
     echo: Any = unsupported("echoing the last message is not implemented", False)
     chat_template: Any = unsupported("the model's own chat template is always used")
-    chat_template_kwargs: Any = unsupported("the chat template takes no extra variables")
+    chat_template_kwargs: dict[str, Any] | None = None
     documents: Any = unsupported("the chat template takes no documents")
+    separate_reasoning: bool = True  # SGLang's: with --reasoning-parser, reasoning apart
 
     def sampling(self, max_new_tokens: int | None) -> dict[str, Any]:
         out = super().sampling(max_new_tokens)
@@ -368,8 +409,8 @@ class TokenizeRequest(_Body):
     continue_final_message: bool = False
     return_token_strs: bool = False
     chat_template: Any = unsupported("the model's own chat template is always used")
-    chat_template_kwargs: Any = unsupported("the chat template takes no extra variables")
-    tools: Any = unsupported(NO_TOOLS, None, ([],))
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
 
 
 class DetokenizeRequest(_Body):

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 
 from radixserve.engine.messages import TextOut, cached_details
 from radixserve.sched.batch import TokenLogprob
+from radixserve.server.chat_output import ChatOutput
 from radixserve.server.logprobs import (
     TokenText,
     chat_content,
@@ -111,6 +112,7 @@ class Head:
     created: int = 0
     token_text: TokenText | None = None  # set when the client asked for logprobs
     visible_text: TokenText | None = None  # a token's share of the text (no special tokens)
+    output: ChatOutput | None = None  # a chat's tool-call and reasoning parsers
 
     @classmethod
     def new(
@@ -135,7 +137,9 @@ class Head:
         lps = self.logprobs(c, c.logprobs, c.ids, echo=True)
         base = {"index": c.index, "logprobs": lps, "finish_reason": c.finish_reason}
         if self.chat:
-            return {**base, "message": {"role": "assistant", "content": c.text}}
+            output = self.output or ChatOutput()
+            message, base["finish_reason"] = output.message(c.text, c.finish_reason)
+            return {**base, "message": message}
         return {**base, "text": c.echo + c.text}
 
     def logprobs(

@@ -20,6 +20,8 @@ from radixserve.engine.tokenizer_manager import (
     prompt_inputs,
 )
 from radixserve.sched.request import SamplingParams
+from radixserve.server.chat_io import chat_output, check_tools, forced_grammar, render_inputs
+from radixserve.server.chat_output import ChatDeltas, ChatOutput
 from radixserve.server.errors import ApiError
 from radixserve.server.logprobs import generate_meta
 from radixserve.server.protocol import (
@@ -28,6 +30,7 @@ from radixserve.server.protocol import (
     CompletionRequest,
     GenerateRequest,
     GenerateSampling,
+    TokenizeRequest,
     openapi_body,
     scheduling_fields,
 )
@@ -58,7 +61,7 @@ def inference_routes(state: ServerState) -> APIRouter:
     async def chat_completions(request: Request) -> Response:
         start = time.perf_counter()
         body = await read_json(request, ChatCompletionRequest, limit)
-        return await _openai(request, state, body, [_chat_input(body)], start)
+        return await _openai(request, state, body, [chat_input(state, body)], start)
 
     @router.post("/generate", openapi_extra=openapi_body(GenerateRequest))
     async def generate(request: Request) -> Response:
@@ -81,10 +84,14 @@ def _prompts(value: Any, param: str) -> tuple[list[GenerateInput], bool]:
         raise ApiError(400, str(e), param=param) from None
 
 
-def _chat_input(body: ChatCompletionRequest) -> GenerateInput:
-    messages = [chat_message(m, i) for i, m in enumerate(body.messages)]
+def chat_input(state: ServerState, body: ChatCompletionRequest | TokenizeRequest) -> GenerateInput:
+    """A chat's messages, tools and template variables as the engine renders them."""
+    messages = [chat_message(m, i) for i, m in enumerate(body.messages or [])]
+    messages, extra = render_inputs(messages, body, state.tm.tokenizer.chat_template,
+                                    state.tool_parser)  # fmt: skip
     return GenerateInput(messages=messages, add_generation_prompt=body.add_generation_prompt,
-                         continue_final_message=body.continue_final_message)  # fmt: skip
+                         continue_final_message=body.continue_final_message,
+                         template_vars=extra)  # fmt: skip
 
 
 def chat_message(m: ChatMessage, i: int) -> dict[str, Any]:
@@ -94,7 +101,11 @@ def chat_message(m: ChatMessage, i: int) -> dict[str, Any]:
             raise ApiError(400, "only text content parts are supported", "unsupported_content",
                            f"messages.{i}.content")  # fmt: skip
         content = "\n".join(p.text or "" for p in content)  # as vLLM joins text parts
-    out = {"role": m.role, "content": content or ""}
+    out: dict[str, Any] = {"role": m.role, "content": content or ""}
+    if m.tool_calls:
+        out["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
     return out | {"name": m.name} if m.name else out
 
 
@@ -110,20 +121,37 @@ async def _openai(
     limit_param = "max_completion_tokens" if chat and body.max_completion_tokens else "max_tokens"
     params = ("messages" if chat else "prompt", limit_param)
     default = None if chat else OPENAI_DEFAULT_MAX_TOKENS
-    prepared = [state.prepare(p, body.sampling(asked), default, params, OPENAI_NAMES)
-                for p in prompts]  # fmt: skip
+    sampling = body.sampling(asked)
+    if chat:
+        sampling["grammar"] = _chat_grammar(state, body, sampling["grammar"])
+    prepared = [state.prepare(p, sampling, default, params, OPENAI_NAMES) for p in prompts]
     fields = scheduling_fields(body)
     inputs = [dataclasses.replace(p, **fields, sampling=_nth_seed(p.sampling, i))
               for p in prepared for i in range(body.n)]  # fmt: skip
     asked_lp = prepared[0].sampling.return_logprob if prepared else False
     head = (Head.new(chat, state.model_name, state.token_text, state.visible_text) if asked_lp
             else Head.new(chat, state.model_name))  # fmt: skip
+    if chat:
+        head = dataclasses.replace(head, output=chat_output(state.tool_parser,
+                                   state.config.reasoning_parser, body))  # fmt: skip
     gen = state.start(inputs, start)
     if not chat and body.echo:
         _echo(state, gen, [p for p in prompts for _ in range(body.n)], inputs)
     if body.stream:
         return await _stream(request, gen, _openai_events(gen, head, body))
     return JSONBody(head.body(await _collect(request, gen), body.n))
+
+
+def _chat_grammar(
+    state: ServerState, body: ChatCompletionRequest, asked: tuple[str, str] | None
+) -> tuple[str, str] | None:
+    """The grammar of a forced tool call, or the one the request asked for (not both)."""
+    check_tools(body, state.tool_parser)
+    forced = forced_grammar(body, state.tool_parser)
+    if forced is not None and asked is not None:
+        raise ApiError(400, "a forced tool call cannot have response_format, json_schema or "
+                       "regex too", param="tool_choice")  # fmt: skip
+    return forced or asked
 
 
 def _nth_seed(sampling: SamplingParams, i: int) -> SamplingParams:
@@ -176,13 +204,21 @@ def _text_render(head: Head, include_usage: bool) -> Render:
 
 
 def _chat_render(head: Head, include_usage: bool) -> Render:
+    streams: dict[int, ChatDeltas] = {}
+
     def render(c: Choice, out: TextOut) -> Iterable[bytes]:
+        deltas = streams.setdefault(c.index, (head.output or ChatOutput()).stream())
         lps = head.logprobs(c, out.logprobs or [], out.token_ids, False)
-        if out.text or lps:
-            chunk = head.chunk(c.index, {"content": out.text}, None, lps)
+        found = deltas.feed(out.text) if out.text else []
+        finish = c.finish_reason
+        if out.finished:
+            more, finish = deltas.finish(finish)
+            found += more
+        for i, delta in enumerate(found or ([{}] if lps else [])):
+            chunk = head.chunk(c.index, delta, None, lps if i == 0 else None)
             yield sse(_with_usage(chunk, include_usage))
         if out.finished:
-            yield sse(_with_usage(head.chunk(c.index, {}, c.finish_reason), include_usage))
+            yield sse(_with_usage(head.chunk(c.index, {}, finish), include_usage))
 
     return render
 

@@ -19,6 +19,7 @@ from radixserve.engine.launch import EngineProcesses
 from radixserve.engine.tokenizer_manager import GenerateInput, RequestError, TokenizerManager
 from radixserve.sched.policy import orders_by_priority
 from radixserve.sched.request import SamplingParams, needs_logits
+from radixserve.server.chat_io import tool_parser_name
 from radixserve.server.config import ServerConfig
 from radixserve.server.errors import ApiError
 from radixserve.server.metrics import ServerMetrics
@@ -39,6 +40,7 @@ class ServerState:
     started: float
     live: set[Generation] = field(default_factory=set)  # requests now generating
     priority_scheduling: bool = False  # as the scheduler now runs (settings change at run time)
+    tool_parser: str | None = None  # the tool-call format (--tool-call-parser, or the template's)
 
     @classmethod
     def create(cls, config: ServerConfig, engine: EngineProcesses) -> ServerState:
@@ -47,6 +49,8 @@ class ServerState:
         name = config.served_model_name or str(info.get("model") or engine.tokenizer.name)
         window = min(tm.context_length, int(info.get("max_total_tokens") or tm.context_length))
         state = cls(config, engine, tm, ServerMetrics(), name, window, time.time())
+        template = getattr(engine.tokenizer, "chat_template", None)
+        state.tool_parser = tool_parser_name(config.tool_call_parser, template)
         state.note_settings(dataclasses.asdict(engine.config.sched))
         return state
 
