@@ -61,13 +61,14 @@ def main() -> int:
     ap.add_argument("--engines", type=int, default=8)
     ap.add_argument("--limit", type=int, default=0, help="first N requests (0: the whole trace)")
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--prefill", type=int, nargs="+", help="prefill engines of each split (all)")
     ap.add_argument("--slo-ttft-ms", type=float, default=5000.0)
     ap.add_argument("--slo-tbt-ms", type=float, nargs="+", default=[50.0, 300.0])
     ap.add_argument("--json", type=Path, help="write the runs (each request's TTFT and gap too)")
     ap.add_argument("--from-json", type=Path, help="print the table of runs written by --json")
     a = ap.parse_args()
     n = a.engines
-    splits = [None, *((x, n - x) for x in range(1, n))]
+    splits = [None, *((x, n - x) for x in (a.prefill or range(1, n)))]
     print(f"workload: {TRACE.name}" + (f", first {a.limit} requests" if a.limit else ", whole"))
     print(f"fleet: {n} x {PRESET}, router cache_aware (prefill) + least_load (decode)")
     print(machine_line())

@@ -171,6 +171,7 @@ def test_a_sweep_repeats_exactly_for_a_seed(
         (["--pd", "0:8"], "takes X:Y (prefill and decode engines, each >= 1)"),
         (["--pd", "4:4", "--kv-store-gb", "1"], "--pd runs without lower KV tiers"),
         (["--slo-tbt-ms", "0"], "--slo-tbt-ms must be > 0"),
+        (["--transfer-bandwidth-gbs", "10"], "no --pd split was given"),
     ],
 )
 def test_bad_split_or_slo_is_a_one_line_error(

@@ -141,7 +141,10 @@ def _configs(args: argparse.Namespace) -> tuple[ClusterConfig, CacheConfig, Sche
     sched = from_args(SchedulerConfig, base)
     check_config(sched, cache.page_size)
     workload_config(args)
-    from_args(PDConfig, args), from_args(SloConfig, args)
+    pd, _ = from_args(PDConfig, args), from_args(SloConfig, args)
+    if not any(args.pd) and pd != PDConfig():
+        raise ValueError("--decode-router and --transfer-bandwidth-gbs set how --pd X:Y runs; "
+                         "no --pd split was given")  # fmt: skip
     for split in filter(None, args.pd):
         if sum(split) != cluster.engines:
             raise ValueError(f"--pd {split[0]}:{split[1]} has {sum(split)} engines, --engines "
