@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from radixserve.chat.constrain import tool_grammar
+from radixserve.chat.constrain import strict_auto_grammar, tool_grammar
 from radixserve.chat.tool_parsers import get_tool_parser
 from radixserve.config import ModelConfig
 from radixserve.modelfiles.locate import resolve_model_dir
@@ -57,3 +57,27 @@ def test_one_call_only_unless_parallel(compiler):
 def test_pythonic_cannot_be_enforced():
     with pytest.raises(ValueError, match="pythonic"):
         tool_grammar(get_tool_parser("pythonic"), [TOOL], True)
+
+
+def admits_auto(compiler, name: str, text: str, strict: bool = True) -> bool:
+    xgrammar, c = compiler
+    tool = {**TOOL, "function": {**TOOL["function"], "strict": strict}}
+    _, spec = strict_auto_grammar(get_tool_parser(name), [tool], True)
+    matcher = xgrammar.GrammarMatcher(c.compile_structural_tag(spec))
+    return matcher.accept_string(text) and matcher.is_completed()
+
+
+@pytest.mark.parametrize("name", ["hermes", "smollm2"])
+def test_strict_auto_admits_text_and_holds_opened_calls_to_the_schema(compiler, name):
+    good = get_tool_parser(name).render([{"name": "add", "arguments": GOOD}])
+    good = good.replace(", ", ",").replace(": ", ":")
+    assert admits_auto(compiler, name, "No call needed.")
+    assert admits_auto(compiler, name, "Let me add. " + good)
+    bad = good.replace('"a":1', '"a":"one"')
+    assert not admits_auto(compiler, name, bad)
+    assert admits_auto(compiler, name, bad, strict=False)  # not strict: only the name is held
+
+
+def test_strict_auto_needs_a_format_with_an_opening_tag():
+    with pytest.raises(ValueError, match="llama3"):
+        strict_auto_grammar(get_tool_parser("llama3"), [TOOL], True)

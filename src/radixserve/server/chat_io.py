@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from radixserve.chat.constrain import tool_grammar
+from radixserve.chat.constrain import strict_auto_grammar, tool_grammar
 from radixserve.chat.prompt import ChatError, template_inputs
 from radixserve.chat.reasoning import get_reasoning_parser
 from radixserve.chat.tool_parsers import get_tool_parser, parser_for_template
@@ -45,10 +45,6 @@ def check_tools(body: ChatCompletionRequest, parser: str | None) -> None:
     if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
         raise ApiError(400, f"tool_choice names {choice.function.name!r}, which is not one of "
                        "the tools", param="tool_choice.function.name")  # fmt: skip
-    for i, t in enumerate(body.tools or []):
-        if t.function.strict and choice == "auto":  # refused rather than followed loosely
-            raise ApiError(400, "strict tools are enforced for tool_choice required or a named "
-                           "function, not yet for auto", param=f"tools.{i}.function.strict")  # fmt: skip
     if len(set(names)) != len(names):
         raise ApiError(400, "two tools have the same name", param="tools")
     if names and choice != "none" and parser is None:
@@ -59,9 +55,11 @@ def check_tools(body: ChatCompletionRequest, parser: str | None) -> None:
 def forced_grammar(body: ChatCompletionRequest, parser: str | None) -> tuple[str, str] | None:
     """The grammar of tool_choice "required" or a named function, else None."""
     choice = _choice(body)
-    if choice in ("none", "auto") or parser is None:
+    if choice == "none" or parser is None:
         return None
     tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
+    if choice == "auto":
+        return _strict_auto(body, tools, parser)
     if isinstance(choice, NamedToolChoice):
         tools = [t for t in tools if t["function"]["name"] == choice.function.name]
     parallel = body.parallel_tool_calls and not isinstance(choice, NamedToolChoice)
@@ -70,6 +68,20 @@ def forced_grammar(body: ChatCompletionRequest, parser: str | None) -> tuple[str
     except ValueError as e:
         raise ApiError(400, f"tool_choice {json.dumps(_shown(choice))} cannot be enforced: {e}",
                        param="tool_choice") from None  # fmt: skip
+
+
+def _strict_auto(
+    body: ChatCompletionRequest, tools: list[dict[str, Any]], parser: str
+) -> tuple[str, str] | None:
+    """tool_choice auto with ``strict`` tools: the calls the model makes follow their schemas."""
+    strict = [i for i, t in enumerate(tools) if t["function"].get("strict")]
+    if not strict:
+        return None
+    try:
+        return strict_auto_grammar(get_tool_parser(parser), tools, body.parallel_tool_calls)
+    except ValueError as e:
+        raise ApiError(400, f"strict tools cannot be enforced: {e}",
+                       param=f"tools.{strict[0]}.function.strict") from None  # fmt: skip
 
 
 def _shown(choice: str | NamedToolChoice) -> Any:
