@@ -17,7 +17,7 @@ from radixserve.cache.radix import RadixCache
 from radixserve.config import CacheConfig, SchedulerConfig
 from radixserve.sched.adder import AddResult, PrefillAdder
 from radixserve.sched.batch import Batch, BatchEntry, StepResult
-from radixserve.sched.decode_run import apply_run, run_length
+from radixserve.sched.decode_run import RunEvictions, apply_run, run_length
 from radixserve.sched.kv import KVManager
 from radixserve.sched.policy import PassContext, make_policy, orders_by_priority
 from radixserve.sched.prefix_index import PrefixIndex
@@ -94,6 +94,8 @@ class Scheduler:
         self._in_flight: Batch | None = None
         self._last_chunk = False
         self._seq = self._step_id = 0
+        self._run: RunEvictions | None = None  # a booked run of decode steps (simulator)
+        self.run_evictions = 0  # steps inside booked runs that evicted from the tree
         self._n = Counter[str]()  # prompt, cached, finished, aborted, retracted
 
     # -- the three owned pieces, for engines and tests ---------------------------------------
@@ -239,14 +241,31 @@ class Scheduler:
     # -- runs of pure decode steps (the simulator's fast path) -------------------------------
     def decode_run_length(self) -> int:
         """Pure decode steps ``step()`` would take next, one after another, if no request came
-        in meanwhile: none finishes a request, evicts or retracts (see ``decode_run``)."""
-        if self._in_flight is not None:
+        in meanwhile: none finishes a request or retracts (see ``decode_run``)."""
+        if self._in_flight is not None or self._run is not None:
             return 0
         return run_length(self.running, len(self.policy), self.kv, self.eos_token_ids)
 
+    def begin_decode_run(self, steps: int) -> None:
+        """Book ``steps`` (at most ``decode_run_length()``) and begin the first: its eviction,
+        if it makes one, is made now; ``decode_run_begun`` begins later ones."""
+        self._run = RunEvictions(self.running, self.kv, steps)
+        self.run_evictions += self._run.begin(1)
+
+    def decode_run_begun(self, steps: int) -> int | None:
+        """The booked run's first ``steps`` steps have begun: the tree loses what they evict.
+        Returns the next step that will evict (None: none)."""
+        assert self._run is not None, "no decode run booked"
+        self.run_evictions += self._run.begin(steps)
+        return self._run.next_step()
+
     def advance_decodes(self, tokens: Sequence[Sequence[int]]) -> None:
-        """Take ``len(tokens[0])`` decode steps at once, as ``step()`` and ``on_output()`` would
-        one by one; ``tokens[i]``: the next tokens of ``running.decoding``'s i-th request."""
+        """Take ``len(tokens[0])`` decode steps at once (the booked run's first ones, if one
+        is booked), as ``step()`` and ``on_output()`` would one by one; ``tokens[i]``: the
+        next tokens of ``running.decoding``'s i-th request."""
+        if self._run is not None:
+            self.run_evictions += self._run.begin(len(tokens[0]))
+            self._run = None
         self._step_id += apply_run(self.running, self.kv, tokens)
         self._last_chunk = False
 

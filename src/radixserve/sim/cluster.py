@@ -216,7 +216,9 @@ class ClusterSim:
         self._store_keys: dict[str, list[int]] = {}  # live requests' prompt block keys
         self._landings: dict[str, Landing] = {}  # requests that loaded from the store or host
         self._loading: dict[int, tuple[str, int]] = {}  # _LAND payload -> (rid, store tokens)
-        self.run_counts = {"runs": 0, "steps": 0, "cuts": 0}  # how the fast path was used
+        # how the fast path was used (evicting: steps inside runs that evicted)
+        self.run_counts = {"runs": 0, "steps": 0, "cuts": 0, "evicting": 0}
+        self._evicting: dict[int, float] = {}  # engine in a run -> when its next eviction is
         self.refetched = 0  # store loads made at admission (prefix evicted while it waited)
 
     def _clock(self) -> float:
@@ -260,6 +262,7 @@ class ClusterSim:
         res = self._result
         res.engines = [e.load for e in self.engines]
         res.tbt_hist = self.tbt.hist
+        self.run_counts["evicting"] = sum(e.sched.run_evictions for e in self.engines)
         res.wall_s = time.perf_counter() - wall
         res.num_unfinished = len(self._live) + len(self._backlog)
         res.router, res.schedule_policy = self.config.router, self.sched_config.schedule_policy
@@ -330,6 +333,8 @@ class ClusterSim:
         self._dispatch(i)
 
     def _dispatch(self, i: int) -> None:
+        if self._evicting:
+            self._begin_steps()
         w, now = self._reqs[i], self.now
         view = RequestView.from_prompt(input_ids=w.input_ids)
         self.policy.tick(now)
@@ -541,6 +546,26 @@ class ClusterSim:
         heapq.heappush(self._events, (t, _DONE, self._seq, eng.idx))
         eng.run = _DecodeRun(durations, ends, self._seq)
         self.run_counts["runs"] += 1
+        eng.sched.begin_decode_run(steps)  # the first step's eviction: now, as step() makes it
+        self._next_eviction(eng, eng.sched.decode_run_begun(1))
+
+    def _next_eviction(self, eng: _Engine, step: int | None) -> None:
+        """Note when ``eng``'s run next evicts: the start of its ``step``-th step."""
+        run = eng.run
+        if step is None or run is None or step > len(run.ends):
+            self._evicting.pop(eng.idx, None)
+        else:
+            self._evicting[eng.idx] = run.ends[step - 2]  # step 1 began with the run
+
+    def _begin_steps(self) -> None:
+        """Before the tree of an engine in a run is read (a dispatch: the router's KV index,
+        a store lookup's match): make the evictions of the steps that have begun by now."""
+        now = self.now
+        for idx, at in list(self._evicting.items()):
+            if at < now:  # at equal times a step's start (the previous one's end) comes later
+                eng = self.engines[idx]
+                begun = bisect.bisect_left(eng.run.ends, now) + 1  # type: ignore[union-attr]
+                self._next_eviction(eng, eng.sched.decode_run_begun(begun))
 
     def _cut(self, eng: _Engine, run: _DecodeRun) -> None:
         """A request came in during a run: it ends with the step in flight (the first one
@@ -556,6 +581,7 @@ class ClusterSim:
 
     def _finish_run(self, eng: _Engine, run: _DecodeRun) -> None:
         eng.run = None
+        self._evicting.pop(eng.idx, None)
         load, steps = eng.load, len(run.durations)
         for d in run.durations:
             load.busy_s += d  # summed in step order, as one step at a time does
