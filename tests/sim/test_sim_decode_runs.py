@@ -14,6 +14,7 @@ from radixserve.sched.batch import Batch, BatchEntry
 from radixserve.sim.cluster import ClusterConfig, ClusterSim
 from radixserve.sim.costmodel import get_cost_model
 from radixserve.sim.runner import SimRunner
+from radixserve.sim.tiers import SimTierConfig
 from radixserve.sim.workloads import (
     MultiTurnConfig,
     SharedPrefixConfig,
@@ -54,6 +55,49 @@ def test_the_mooncake_trace_gives_the_same_results_in_far_fewer_events(
     assert fast == slow
     assert counts["steps"] > 10 * counts["runs"] > 0  # most decode steps ran inside runs
     assert counts["cuts"] > 0  # open-loop arrivals cut runs short
+
+
+@pytest.mark.parametrize(
+    ("router", "tiers"),
+    [("cache_aware", False), ("kv_aware", False), ("kv_aware", True)],
+)
+def test_runs_that_evict_from_a_full_pool_give_the_same_results(
+    mooncake_trace: Path, router: str, tiers: bool
+) -> None:
+    # a pool far smaller than the trace's working set: most decode steps must evict. A run
+    # makes each step's eviction when that step begins, so kv_aware's index (fed by the
+    # engines' trees), a store lookup's match and every later hit see what single steps left
+    reqs = trace_replay(TraceConfig(path=str(mooncake_trace), block_tokens=16, limit=300))
+    cache = CacheConfig(page_size=16, max_total_tokens=4_000, enable_hierarchical_cache=tiers)
+    kw: dict[str, Any] = {"tiers": SimTierConfig(kv_store_gb=0.5)} if tiers else {}
+    fast, slow, counts = both(reqs, cache, engines=4, router=router, **kw)
+    assert fast == slow
+    assert counts["evicting"] > counts["runs"] // 4 > 0  # evictions happened inside runs
+    assert counts["steps"] > 5 * counts["runs"]
+
+
+class _Watched(ClusterSim):
+    """Notes every engine's tree size each time a request is dispatched."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.seen: list[list[int]] = []
+
+    def _dispatch(self, i: int) -> None:
+        super()._dispatch(i)
+        self.seen.append([e.sched.cache.total_size() for e in self.engines])
+
+
+def test_a_dispatch_during_a_run_finds_the_trees_single_steps_leave(mooncake_trace: Path) -> None:
+    # the router (kv_aware's index, a store lookup) reads the engines' trees at dispatch: the
+    # evictions of the run's steps begun by then are made, those of later steps are not yet
+    reqs = trace_replay(TraceConfig(path=str(mooncake_trace), block_tokens=16, limit=300))
+    cache = CacheConfig(page_size=16, max_total_tokens=4_000)
+    sims = [_Watched(ClusterConfig(engines=4, decode_runs=f), None, cache) for f in (True, False)]
+    for sim in sims:
+        sim.run(reqs, block_tokens=16)
+    assert sims[0].run_counts["evicting"] > 0
+    assert sims[0].seen == sims[1].seen
 
 
 def test_chat_sessions_and_a_concurrency_limit_cut_runs_exactly() -> None:

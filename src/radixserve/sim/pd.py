@@ -146,6 +146,8 @@ class PDClusterSim(ClusterSim):
 
     # -- dispatch: a pair ----------------------------------------------------------------------
     def _dispatch(self, i: int) -> None:
+        if self._evicting:  # the trees as single steps would have left them
+            self._begin_steps()
         w, now = self._reqs[i], self.now
         view = RequestView.from_prompt(input_ids=w.input_ids)
         n, out = len(w.input_ids), w.output_len
