@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from radixserve.server.chat_io import forced_grammar
+from radixserve.server.chat_io import chat_output, forced_grammar, keeps_special_tokens
 from radixserve.server.protocol import ChatCompletionRequest
 from server_harness import ServerProcess
 
@@ -169,3 +169,14 @@ def test_bad_tool_fields_are_refused_naming_the_field(client, server, fields, pa
                                        k: v for k, v in body.items() if k not in
                                        ("messages", "tools", "tool_choice", "response_format")})  # fmt: skip
     assert e.value.body["param"] == param, e.value.body
+
+
+@pytest.mark.parametrize("parser,fields,keeps", [
+    ("mistral", {}, True),  # [TOOL_CALLS] is a special token: kept, or no call could be read
+    ("mistral", {"skip_special_tokens": True}, False),  # the client's choice wins
+    ("mistral", {"tool_choice": "none"}, False),  # no calls read: nothing to keep
+    ("smollm2", {}, False),
+])  # fmt: skip
+def test_special_tokens_are_kept_where_a_format_opens_calls_with_one(parser, fields, keeps):
+    body = ChatCompletionRequest.model_validate({"messages": ASK, "tools": TOOLS, **fields})
+    assert keeps_special_tokens(chat_output(parser, None, body), body) == keeps

@@ -30,6 +30,13 @@ def chat_output(state_parser: str | None, reasoning: str | None, body: Any) -> C
     return ChatOutput(tools, think)
 
 
+def keeps_special_tokens(output: ChatOutput, body: ChatCompletionRequest) -> bool:
+    """Whether the text must keep special tokens: the format opens its calls with one
+    (``[TOOL_CALLS]``, ``<|python_tag|>``) and the client did not set skip_special_tokens."""
+    special = output.tools is not None and output.tools.special_start
+    return special and "skip_special_tokens" not in body.model_fields_set
+
+
 def _choice(body: ChatCompletionRequest) -> str | NamedToolChoice:
     if body.tool_choice is None:
         return "auto" if body.tools else "none"

@@ -20,7 +20,13 @@ from radixserve.engine.tokenizer_manager import (
     prompt_inputs,
 )
 from radixserve.sched.request import SamplingParams
-from radixserve.server.chat_io import chat_output, check_tools, forced_grammar, render_inputs
+from radixserve.server.chat_io import (
+    chat_output,
+    check_tools,
+    forced_grammar,
+    keeps_special_tokens,
+    render_inputs,
+)
 from radixserve.server.chat_output import ChatDeltas, ChatOutput
 from radixserve.server.errors import ApiError
 from radixserve.server.logprobs import generate_meta
@@ -122,8 +128,7 @@ async def _openai(
     params = ("messages" if chat else "prompt", limit_param)
     default = None if chat else OPENAI_DEFAULT_MAX_TOKENS
     sampling = body.sampling(asked)
-    if chat:
-        sampling["grammar"] = _chat_grammar(state, body, sampling["grammar"])
+    output = _chat_sampling(state, body, sampling) if chat else None
     prepared = [state.prepare(p, sampling, default, params, OPENAI_NAMES) for p in prompts]
     fields = scheduling_fields(body)
     inputs = [dataclasses.replace(p, **fields, sampling=_nth_seed(p.sampling, i))
@@ -131,15 +136,25 @@ async def _openai(
     asked_lp = prepared[0].sampling.return_logprob if prepared else False
     head = (Head.new(chat, state.model_name, state.token_text, state.visible_text) if asked_lp
             else Head.new(chat, state.model_name))  # fmt: skip
-    if chat:
-        head = dataclasses.replace(head, output=chat_output(state.tool_parser,
-                                   state.config.reasoning_parser, body))  # fmt: skip
+    head = dataclasses.replace(head, output=output)
     gen = state.start(inputs, start)
     if not chat and body.echo:
         _echo(state, gen, [p for p in prompts for _ in range(body.n)], inputs)
     if body.stream:
         return await _stream(request, gen, _openai_events(gen, head, body))
     return JSONBody(head.body(await _collect(request, gen), body.n))
+
+
+def _chat_sampling(
+    state: ServerState, body: ChatCompletionRequest, sampling: dict[str, Any]
+) -> ChatOutput:
+    """The parsers a chat's choices are read with; the sampling they need set in ``sampling``:
+    a forced call's grammar, and special tokens kept where a format opens its calls with one."""
+    sampling["grammar"] = _chat_grammar(state, body, sampling["grammar"])
+    output = chat_output(state.tool_parser, state.config.reasoning_parser, body)
+    if keeps_special_tokens(output, body):
+        sampling["skip_special_tokens"] = False
+    return output
 
 
 def _chat_grammar(

@@ -23,6 +23,9 @@ class ToolParser(ABC):
 
     name: ClassVar[str]
     start: ClassVar[str]  # the text that opens the calls (for detect and the default prompt)
+    # the opener is a special token in its models' vocabularies, which the text keeps only
+    # when special tokens are not skipped
+    special_start: ClassVar[bool] = False
 
     def __init__(self, max_calls: int | None = None) -> None:
         self.max_calls = max_calls  # 1 when the request sets parallel_tool_calls false

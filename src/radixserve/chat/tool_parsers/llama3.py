@@ -19,6 +19,7 @@ ARGS = ("parameters", "arguments")
 class Llama3Parser(ToolParser):
     name = "llama3"
     start = "<|python_tag|>"
+    special_start = True
 
     def scan(self, text: str, final: bool) -> list[Piece]:
         at = skip_ws(text, 0)

@@ -15,6 +15,7 @@ from radixserve.chat.tool_parsers.schemas import call_schema, json_list, one_of
 class MistralParser(ToolParser):
     name = "mistral"
     start = "[TOOL_CALLS]"
+    special_start = True
 
     def scan(self, text: str, final: bool) -> list[Piece]:
         return sections(text, final, self.start, None, many_calls(("arguments",)))
