@@ -5,11 +5,14 @@ it to stream a call's arguments as the raw text the model wrote, a prefix of the
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 WS = " \t\r\n"
 _CLOSE = {"{": "}", "[": "]"}
 _SCALAR_START = set('-0123456789tfn"')
+_STRING_BODY = re.compile(r'(?:[^"\\\n]+|\\.)*', re.S)  # up to a closing quote (or the end)
+_PLAIN = re.compile(r'[^"{}\[\]]*')  # what a container's scan can skip
 
 
 class Malformed(ValueError):
@@ -44,23 +47,22 @@ def value_end(text: str, start: int) -> int | None:
 
 
 def _string_end(text: str, start: int) -> int | None:
-    at = start + 1
-    while at < len(text):
-        if text[at] == "\\":
-            at += 2
-            continue
-        if text[at] == '"':
-            return at + 1
-        if text[at] == "\n":
-            raise Malformed("newline in a string")
-        at += 1
-    return None
+    # regular expressions, not a loop per character: a stream rescans its text at every delta
+    at = _STRING_BODY.match(text, start + 1).end()  # type: ignore[union-attr]
+    if at >= len(text) or text[at] == "\\":  # open, or an escape cut off
+        return None
+    if text[at] == "\n":
+        raise Malformed("newline in a string")
+    return at + 1
 
 
 def _container_end(text: str, start: int) -> int | None:
     stack = [_CLOSE[text[start]]]
     at = start + 1
     while at < len(text):
+        at = _PLAIN.match(text, at).end()  # type: ignore[union-attr]
+        if at >= len(text):
+            return None
         c = text[at]
         if c == '"':
             end = _string_end(text, at)
