@@ -18,6 +18,7 @@ from radixserve import __version__
 from radixserve.engine.launch import EngineProcesses
 from radixserve.engine.tokenizer_manager import GenerateInput, RequestError
 from radixserve.sched.request import SamplingParams
+from radixserve.server.anthropic import anthropic_routes
 from radixserve.server.config import ServerConfig
 from radixserve.server.control import admin_routes, control_routes
 from radixserve.server.docs import RequestIdMiddleware, add_docs
@@ -59,6 +60,7 @@ def create_app(config: ServerConfig, engine: EngineProcesses) -> FastAPI:
     add_docs(app, state)
     app.add_middleware(RequestIdMiddleware)
     app.include_router(inference_routes(state))
+    app.include_router(anthropic_routes(state))
     app.include_router(control_routes(state))
     app.include_router(admin_routes(state))
     app.include_router(_open_routes(state))

@@ -1,0 +1,186 @@
+"""Anthropic's Messages API: ``POST /v1/messages`` (whole or streamed) and
+``POST /v1/messages/count_tokens``. A request is translated into the chat request the OpenAI
+route serves and runs through the same template, tool parsers, forced-call grammars and engine;
+its answer and its errors go back in Anthropic's shapes."""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.requests import Request
+
+from radixserve.engine.tokenizer_manager import RequestError
+from radixserve.server.anthropic_events import MessageEvents, sse_event
+from radixserve.server.anthropic_protocol import (
+    CountTokensRequest,
+    MessagesRequest,
+    chat_request,
+    content_blocks,
+    error_body,
+    message_id,
+    stop_reason,
+    usage,
+)
+from radixserve.server.chat_io import chat_output, check_tools, forced_grammar
+from radixserve.server.chat_output import ChatOutput
+from radixserve.server.errors import ApiError
+from radixserve.server.protocol import ChatCompletionRequest, openapi_body, scheduling_fields
+from radixserve.server.responses import Choice, JSONBody
+from radixserve.server.routes import SSE_HEADERS, chat_input
+from radixserve.server.state import ServerState, read_json
+from radixserve.server.streams import Generation, unless_disconnected
+
+
+def anthropic_routes(state: ServerState) -> APIRouter:
+    router = APIRouter()
+    limit = state.config.max_payload_size
+
+    @router.post("/v1/messages", openapi_extra=openapi_body(MessagesRequest))
+    async def messages(request: Request) -> Response:
+        start = time.perf_counter()
+        try:
+            _authorize(state, request)
+            body = await read_json(request, MessagesRequest, limit)
+            return await _messages(request, state, body, start)
+        except (ApiError, ValidationError, RequestError) as e:
+            return _error(e)
+
+    @router.post("/v1/messages/count_tokens", openapi_extra=openapi_body(CountTokensRequest))
+    async def count_tokens(request: Request) -> Response:
+        try:
+            _authorize(state, request)
+            body = await read_json(request, CountTokensRequest, limit)
+            state.check_model(body.model)
+            chat = _chat(body)
+            check_tools(chat, state.tool_parser)
+            return JSONBody({"input_tokens": len(_tokenize(state, chat))})
+        except (ApiError, ValidationError, RequestError) as e:
+            return _error(e)
+
+    return router
+
+
+def _authorize(state: ServerState, request: Request) -> None:
+    """Anthropic's clients send the key as ``x-api-key``; OpenAI's bearer form works too."""
+    key = state.config.api_key
+    if key is None:
+        return
+    given = request.headers.get("x-api-key")
+    if given is not None and hmac.compare_digest(given.encode(), key.encode()):
+        return
+    state.authorize(request)  # raises 401 unless the bearer key is right
+
+
+def _error(e: ApiError | ValidationError | RequestError) -> JSONBody:
+    if isinstance(e, ValidationError):
+        e = ApiError.from_validation(e)
+    elif isinstance(e, RequestError):
+        e = ApiError.from_engine(e)
+    return JSONBody(error_body(e), status_code=e.status)
+
+
+def _chat(body: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate(chat_request(body))
+
+
+def _tokenize(state: ServerState, chat: ChatCompletionRequest) -> list[int]:
+    try:
+        return list(state.tm.tokenize(chat_input(state, chat)))
+    except RequestError as e:
+        raise ApiError.from_engine(e, "messages") from e
+    except ApiError:
+        raise
+    except Exception as e:  # a chat template that refuses the conversation
+        raise ApiError(400, f"cannot tokenize the prompt: {e}", param="messages") from e
+
+
+async def _messages(
+    request: Request, state: ServerState, body: MessagesRequest, start: float
+) -> Response:
+    state.check_model(body.model)
+    chat = _chat(body)
+    check_tools(chat, state.tool_parser)
+    sampling = chat.sampling(body.max_tokens) | {"grammar": forced_grammar(chat, state.tool_parser)}
+    inp = state.prepare(chat_input(state, chat), sampling, None, ("messages", "max_tokens"))
+    inp = dataclasses.replace(inp, **scheduling_fields(chat))
+    output = chat_output(state.tool_parser, state.config.reasoning_parser, chat)
+    head = {"id": message_id(), "type": "message", "role": "assistant", "model": state.model_name}
+    gen = state.start([inp], start)
+    if body.stream:
+        return await _stream(request, gen, _events(gen, head, output, body))
+    try:
+        (c,) = await unless_disconnected(request, gen.collect())
+    finally:
+        gen.close()
+    return JSONBody(_message(head, output, c, body))
+
+
+def _message(
+    head: dict[str, Any], output: ChatOutput, c: Choice, body: MessagesRequest
+) -> dict[str, Any]:
+    message, finish = output.message(c.text, c.finish_reason)
+    reason, seq = stop_reason(finish, c.last.matched_stop if c.last else None, body.stop_sequences)
+    return head | {"content": content_blocks(message), "stop_reason": reason,
+                   "stop_sequence": seq, "usage": _usage(c)}  # fmt: skip
+
+
+def _usage(c: Choice) -> dict[str, Any]:
+    return usage(c.count("prompt_tokens"), c.count("cached_tokens"), c.count("completion_tokens"))
+
+
+async def _events(
+    gen: Generation, head: dict[str, Any], output: ChatOutput, body: MessagesRequest
+) -> AsyncIterator[bytes]:
+    """The message's events; nothing before the engine's first output, so that an error before
+    any token (a prompt it refuses) still gets its HTTP status."""
+    outputs = gen.outputs()
+    c, out = await anext(outputs)
+    seq, deltas = MessageEvents(), output.stream()
+    yield _sse(MessageEvents.start(head, _usage(c) | {"output_tokens": 0}))
+    try:
+        while True:
+            found = deltas.feed(out.text) if out.text else []
+            if out.finished:
+                more, finish = deltas.finish(c.finish_reason)
+                reason, stop = stop_reason(finish, out.matched_stop, body.stop_sequences)
+                yield _sse(
+                    seq.feed(found + more) + seq.finish(reason, stop, _usage(c)["output_tokens"])
+                )
+                return
+            yield _sse(seq.feed(found))
+            c, out = await anext(outputs)
+    except RequestError as e:  # too late for a status code: the error is the last event
+        yield sse_event("error", error_body(ApiError.from_engine(e)))
+
+
+def _sse(events: list[tuple[str, dict[str, Any]]]) -> bytes:
+    return b"".join(sse_event(name, data) for name, data in events)
+
+
+async def _stream(request: Request, gen: Generation, events: AsyncIterator[bytes]) -> Response:
+    try:
+        first = await unless_disconnected(request, anext(events))
+    except BaseException:
+        gen.close()
+        raise
+    return StreamingResponse(_chain(first, events, gen), media_type="text/event-stream",
+                             headers=SSE_HEADERS)  # fmt: skip
+
+
+async def _chain(
+    first: bytes, events: AsyncIterator[bytes], gen: Generation
+) -> AsyncIterator[bytes]:
+    try:
+        yield first
+        async for event in events:
+            if event:
+                yield event
+    finally:
+        gen.close()  # a client that went away cancels the stream here: abort what still runs

@@ -1,0 +1,314 @@
+"""Anthropic's Messages API on the wire: request bodies (unknown fields refused), their
+translation into the chat request the OpenAI route serves, and the message, usage, stop reason
+and error shapes that go back. Pure: no engine, no I/O."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import string
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from radixserve.server.errors import ApiError
+from radixserve.server.protocol import TopK, unsupported
+
+_ALPHABET = string.ascii_letters + string.digits
+NO_MEDIA = "this server serves text-only models"
+# Anthropic's error types by HTTP status (its "Errors" page); anything else 4xx is invalid_request
+ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+               413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}  # fmt: skip
+
+
+class _Strict(BaseModel):
+    # Anthropic's schema is closed: a field it does not define is refused (400 naming it)
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+
+class CacheControl(_Strict):
+    """Honoured by construction: the prefix cache keeps every prompt's KV, marked or not."""
+
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = None
+
+
+class TextBlock(_Strict):
+    type: Literal["text"]
+    text: str
+    cache_control: CacheControl | None = None
+    citations: Any = unsupported("citations are not produced", None, ([],))
+
+
+class ToolUseBlock(_Strict):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+    cache_control: CacheControl | None = None
+
+
+class ToolResultBlock(_Strict):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] = ""
+    is_error: bool = False  # written into the result the model reads ("Error: ...")
+    cache_control: CacheControl | None = None
+
+
+class ThinkingBlock(_Strict):
+    """A past turn's thinking: dropped from the prompt, as Anthropic drops earlier turns'."""
+
+    type: Literal["thinking", "redacted_thinking"]
+    thinking: str = ""
+    signature: str = ""
+    data: str = ""
+
+
+class MediaBlock(_Strict):
+    type: Literal["image", "document", "search_result"]
+    source: Any = None
+    cache_control: CacheControl | None = None
+
+
+Block = Annotated[
+    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | MediaBlock,
+    Field(discriminator="type"),
+]
+
+
+class MessageParam(_Strict):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+
+ToolName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,128}$")]
+
+
+class ToolParam(_Strict):
+    name: ToolName
+    description: str | None = None
+    input_schema: dict[str, Any]
+    type: Literal["custom"] | None = None  # Anthropic's server tools (web search...) are not run
+    cache_control: CacheControl | None = None
+
+
+class ToolChoice(_Strict):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
+
+
+class Metadata(_Strict):
+    user_id: str | None = None  # informational: who asked; nothing to apply
+
+
+class JsonFormat(_Strict):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Strict):
+    format: JsonFormat | None = None  # the output follows the schema (an xgrammar mask)
+    effort: Any = unsupported("the served models have no effort setting")
+
+
+class _Prompt(_Strict):
+    """What renders the prompt: shared by /v1/messages and /v1/messages/count_tokens."""
+
+    model: str
+    messages: list[MessageParam] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    tools: list[ToolParam] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Any = unsupported("thinking budgets are not implemented; with --reasoning-parser "
+                                "the model's reasoning comes as thinking blocks",
+                                None, ({"type": "disabled"},))  # fmt: skip
+    mcp_servers: Any = unsupported("this server connects to no MCP servers", None, ([],))
+    container: Any = unsupported("this server runs no code containers")
+    context_management: Any = unsupported("the context is never edited by the server")
+    cache_control: CacheControl | None = None  # automatic caching: what the server always does
+    output_config: OutputConfig | None = None
+    inference_geo: Any = unsupported("one server, one place")
+    speed: Any = unsupported("one speed only", None, ("standard",))
+    diagnostics: Any = unsupported("cache-miss diagnostics are not produced")
+    # informational: whom the request is for; nothing to apply
+    user_profile_id: str | None = None
+    workspace_id: str | None = None
+
+
+class MessagesRequest(_Prompt):
+    max_tokens: int = Field(ge=1)
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    temperature: float = Field(1.0, ge=0, le=1)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: TopK = -1
+    metadata: Metadata | None = None
+    service_tier: Any = unsupported("one tier only", None, ("auto", "standard_only"))
+
+
+class CountTokensRequest(_Prompt):
+    pass
+
+
+# -- the request as a chat completion ----------------------------------------------------------
+def chat_request(body: _Prompt) -> dict[str, Any]:
+    """The OpenAI chat request (as JSON) that renders and samples ``body`` the same way."""
+    out: dict[str, Any] = {"model": body.model, "messages": _system(body.system)}
+    _check_links(body.messages)
+    for m in body.messages:
+        out["messages"] += _user(m.content) if m.role == "user" else [_assistant(m.content)]
+    if body.tools:
+        out["tools"] = [_tool(t) for t in body.tools]
+    if body.tool_choice is not None:
+        out |= _tool_choice(body.tool_choice)
+    fmt = body.output_config.format if body.output_config else None
+    if fmt is not None:
+        out["response_format"] = {"type": "json_schema",
+                                  "json_schema": {"name": "output", "schema": fmt.schema_}}  # fmt: skip
+    if isinstance(body, MessagesRequest):
+        out |= {"max_tokens": body.max_tokens, "stop": body.stop_sequences,
+                "stream": body.stream, "temperature": body.temperature, "top_p": body.top_p,
+                "top_k": body.top_k}  # fmt: skip
+    return out
+
+
+def _system(system: str | list[TextBlock] | None) -> list[dict[str, Any]]:
+    if system is None:
+        return []
+    text = system if isinstance(system, str) else "\n".join(b.text for b in system)
+    return [{"role": "system", "content": text}]
+
+
+def _text(content: str | list[TextBlock]) -> str:
+    return content if isinstance(content, str) else "\n".join(b.text for b in content)
+
+
+def _user(content: str | list[Any]) -> list[dict[str, Any]]:
+    """A user turn: its tool results as tool messages first, then its text (if any)."""
+    if isinstance(content, str):
+        return [{"role": "user", "content": content}]
+    out, texts = [], []
+    for b in content:
+        if isinstance(b, ToolResultBlock):
+            result = ("Error: " if b.is_error else "") + _text(b.content)
+            out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": result})
+        elif isinstance(b, TextBlock):
+            texts.append(b.text)
+        else:
+            _refuse_block(b, "user")
+    return out + ([{"role": "user", "content": "\n".join(texts)}] if texts else [])
+
+
+def _assistant(content: str | list[Any]) -> dict[str, Any]:
+    if isinstance(content, str):
+        return {"role": "assistant", "content": content}
+    texts, calls = [], []
+    for b in content:
+        if isinstance(b, TextBlock):
+            texts.append(b.text)
+        elif isinstance(b, ToolUseBlock):
+            calls.append({"id": b.id, "type": "function",
+                          "function": {"name": b.name, "arguments": json.dumps(b.input)}})  # fmt: skip
+        elif not isinstance(b, ThinkingBlock):
+            _refuse_block(b, "assistant")
+    out: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts) if texts else None}
+    return out | {"tool_calls": calls} if calls else out
+
+
+def _refuse_block(b: Any, role: str) -> None:
+    why = NO_MEDIA if isinstance(b, MediaBlock) else f"a {role} message cannot hold it"
+    raise ApiError(400, f"content blocks of type {b.type!r} are not supported: {why}",
+                   "unsupported_content", "messages")  # fmt: skip
+
+
+def _check_links(messages: list[MessageParam]) -> None:
+    """Each tool_result must answer a tool_use of an earlier assistant message."""
+    seen: set[str] = set()
+    for i, m in enumerate(messages):
+        for j, b in enumerate(m.content if isinstance(m.content, list) else []):
+            if isinstance(b, ToolUseBlock):
+                seen.add(b.id)
+            elif isinstance(b, ToolResultBlock) and b.tool_use_id not in seen:
+                raise ApiError(400, f"tool_use_id {b.tool_use_id!r} names no tool_use block of "
+                               "an earlier assistant message",
+                               param=f"messages.{i}.content.{j}.tool_use_id")  # fmt: skip
+
+
+def _tool(t: ToolParam) -> dict[str, Any]:
+    fn = {"name": t.name, "parameters": t.input_schema}
+    return {"type": "function", "function": fn | ({"description": t.description}
+                                                  if t.description else {})}  # fmt: skip
+
+
+def _tool_choice(choice: ToolChoice) -> dict[str, Any]:
+    if (choice.name is not None) != (choice.type == "tool"):
+        raise ApiError(400, "tool_choice needs a name with type tool, and only then",
+                       param="tool_choice.name")  # fmt: skip
+    if choice.type == "tool":
+        picked: Any = {"type": "function", "function": {"name": choice.name}}
+    else:
+        picked = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+    return {"tool_choice": picked, "parallel_tool_calls": not choice.disable_parallel_tool_use}
+
+
+# -- the answer --------------------------------------------------------------------------------
+def message_id() -> str:
+    return "msg_" + uuid.uuid4().hex
+
+
+def tool_use_id(call_id: str) -> str:
+    """A tool call's id in Anthropic's form (``toolu_`` and 24 letters and digits)."""
+    tail = call_id.removeprefix("call_")
+    return "toolu_" + (tail or "".join(secrets.choice(_ALPHABET) for _ in range(24)))
+
+
+def stop_reason(finish: str | None, matched: Any, stops: list[str] | None) -> tuple[str, Any]:
+    """Anthropic's stop_reason and stop_sequence for the chat route's finish reason."""
+    if finish == "tool_calls":
+        return "tool_use", None
+    if finish == "length":
+        return "max_tokens", None
+    if isinstance(matched, str) and matched in (stops or []):
+        return "stop_sequence", matched
+    return "end_turn", None
+
+
+def usage(prompt: int, cached: int, output: int) -> dict[str, Any]:
+    """Anthropic counts input apart from cache reads: input_tokens + cache_read_input_tokens
+    is the whole prompt. Nothing is written on request (every prompt is cached anyway), so
+    cache_creation_input_tokens is 0."""
+    return {"input_tokens": prompt - cached, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached, "output_tokens": output}  # fmt: skip
+
+
+def content_blocks(message: dict[str, Any]) -> list[dict[str, Any]]:
+    """An OpenAI chat message (content, reasoning_content, tool_calls) as Anthropic blocks."""
+    out: list[dict[str, Any]] = []
+    if message.get("reasoning_content"):
+        out.append({"type": "thinking", "thinking": message["reasoning_content"], "signature": ""})
+    if message.get("content"):
+        out.append({"type": "text", "text": message["content"]})
+    for c in message.get("tool_calls") or []:
+        fn = c["function"]
+        args = call_input(fn["arguments"])
+        out.append({"type": "tool_use", "id": tool_use_id(c["id"]), "name": fn["name"],
+                    "input": args} if args is not None else {"type": "text",
+                    "text": fn["arguments"]})  # fmt: skip
+    return out
+
+
+def call_input(arguments: str) -> dict[str, Any] | None:
+    """A call's arguments as tool_use input (an object), or None where they are not one."""
+    try:
+        value = json.loads(arguments or "{}")
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def error_body(e: ApiError) -> dict[str, Any]:
+    kind = ERROR_TYPES.get(e.status, "invalid_request_error" if e.status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": e.message}}
