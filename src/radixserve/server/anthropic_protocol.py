@@ -47,6 +47,8 @@ class ToolUseBlock(_Strict):
     name: str
     input: dict[str, Any]
     cache_control: CacheControl | None = None
+    caller: Any = unsupported("programmatic tool calling is not implemented")
+    toolset_name: Any = unsupported("toolsets are not implemented")
 
 
 class ToolResultBlock(_Strict):
@@ -55,6 +57,7 @@ class ToolResultBlock(_Strict):
     content: str | list[TextBlock] = ""
     is_error: bool = False  # written into the result the model reads ("Error: ...")
     cache_control: CacheControl | None = None
+    toolset_name: Any = unsupported("toolsets are not implemented")
 
 
 class ThinkingBlock(_Strict):
@@ -79,7 +82,7 @@ Block = Annotated[
 
 
 class MessageParam(_Strict):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]
     content: str | list[Block]
 
 
@@ -92,6 +95,13 @@ class ToolParam(_Strict):
     input_schema: dict[str, Any]
     type: Literal["custom"] | None = None  # Anthropic's server tools (web search...) are not run
     cache_control: CacheControl | None = None
+    strict: bool = False  # any / tool: always followed (a grammar); auto: refused, as on chat
+    eager_input_streaming: bool | None = None  # input fragments always stream as they come
+    defer_loading: Any = unsupported("tool search is not implemented", False)
+    allowed_callers: Any = unsupported("programmatic tool calling is not implemented", None,
+                                       (["direct"],))  # fmt: skip
+    input_examples: Any = unsupported("tool input examples are not shown to the model", None,
+                                      ([],))  # fmt: skip
 
 
 class ToolChoice(_Strict):
@@ -153,13 +163,19 @@ class CountTokensRequest(_Prompt):
     pass
 
 
+BODIES = (MessagesRequest, CountTokensRequest)  # their schemas go into the OpenAPI document
+
+
 # -- the request as a chat completion ----------------------------------------------------------
 def chat_request(body: _Prompt) -> dict[str, Any]:
     """The OpenAI chat request (as JSON) that renders and samples ``body`` the same way."""
     out: dict[str, Any] = {"model": body.model, "messages": _system(body.system)}
     _check_links(body.messages)
     for m in body.messages:
-        out["messages"] += _user(m.content) if m.role == "user" else [_assistant(m.content)]
+        if m.role == "system":  # a system turn between others (text only)
+            out["messages"].append({"role": "system", "content": _system_text(m.content)})
+        else:
+            out["messages"] += _user(m.content) if m.role == "user" else [_assistant(m.content)]
     if body.tools:
         out["tools"] = [_tool(t) for t in body.tools]
     if body.tool_choice is not None:
@@ -180,6 +196,13 @@ def _system(system: str | list[TextBlock] | None) -> list[dict[str, Any]]:
         return []
     text = system if isinstance(system, str) else "\n".join(b.text for b in system)
     return [{"role": "system", "content": text}]
+
+
+def _system_text(content: str | list[Any]) -> str:
+    for b in content if isinstance(content, list) else []:
+        if not isinstance(b, TextBlock):
+            _refuse_block(b, "system")
+    return _text(content)
 
 
 def _text(content: str | list[TextBlock]) -> str:
@@ -238,7 +261,8 @@ def _check_links(messages: list[MessageParam]) -> None:
 
 
 def _tool(t: ToolParam) -> dict[str, Any]:
-    fn = {"name": t.name, "parameters": t.input_schema}
+    fn: dict[str, Any] = {"name": t.name, "parameters": t.input_schema}
+    fn |= {"strict": True} if t.strict else {}
     return {"type": "function", "function": fn | ({"description": t.description}
                                                   if t.description else {})}  # fmt: skip
 
@@ -310,5 +334,8 @@ def call_input(arguments: str) -> dict[str, Any] | None:
 
 
 def error_body(e: ApiError) -> dict[str, Any]:
+    """Anthropic's error shape has no ``param``: the field at fault leads the message."""
     kind = ERROR_TYPES.get(e.status, "invalid_request_error" if e.status < 500 else "api_error")
-    return {"type": "error", "error": {"type": kind, "message": e.message}}
+    named = e.param is None or e.message.startswith(e.param)
+    message = e.message if named else f"{e.param}: {e.message}"
+    return {"type": "error", "error": {"type": kind, "message": message}}

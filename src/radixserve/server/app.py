@@ -19,6 +19,7 @@ from radixserve.engine.launch import EngineProcesses
 from radixserve.engine.tokenizer_manager import GenerateInput, RequestError
 from radixserve.sched.request import SamplingParams
 from radixserve.server.anthropic import anthropic_routes
+from radixserve.server.anthropic_protocol import BODIES as ANTHROPIC_BODIES
 from radixserve.server.config import ServerConfig
 from radixserve.server.control import admin_routes, control_routes
 from radixserve.server.docs import RequestIdMiddleware, add_docs
@@ -76,7 +77,7 @@ def _use_body_schemas(app: FastAPI) -> None:
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            app.openapi_schema = add_body_schemas(doc)
+            app.openapi_schema = add_body_schemas(doc, ANTHROPIC_BODIES)
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]

@@ -466,10 +466,13 @@ def openapi_body(model: type[BaseModel]) -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
-def add_body_schemas(openapi: dict[str, Any]) -> dict[str, Any]:
-    """Put the request bodies' JSON schemas into an OpenAPI document's components."""
+def add_body_schemas(
+    openapi: dict[str, Any], more: tuple[type[BaseModel], ...] = ()
+) -> dict[str, Any]:
+    """Put the request bodies' JSON schemas (``BODIES`` and ``more``) into an OpenAPI
+    document's components."""
     _, top = models_json_schema(
-        [(m, "validation") for m in BODIES], ref_template="#/components/schemas/{model}"
+        [(m, "validation") for m in BODIES + more], ref_template="#/components/schemas/{model}"
     )
     schemas = openapi.setdefault("components", {}).setdefault("schemas", {})
     schemas.update(top.get("$defs", {}))
