@@ -142,7 +142,10 @@ def test_stop_reasons_and_usage():
     assert usage(100, 64, 5) == {"input_tokens": 36, "cache_creation_input_tokens": 0,
                                  "cache_read_input_tokens": 64, "output_tokens": 5}  # fmt: skip
     e = error_body(ApiError(404, "no such model", param="model"))
-    assert e == {"type": "error", "error": {"type": "not_found_error", "message": "model: no such model"}}
+    assert e == {
+        "type": "error",
+        "error": {"type": "not_found_error", "message": "model: no such model"},
+    }
 
 
 TEXT = 'Sure.<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</tool_call>'

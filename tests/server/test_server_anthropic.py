@@ -6,8 +6,12 @@ shape, and every request field the SDK can send declared (honoured or refused by
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import io
 import json
+import re
+from pathlib import Path
 
 import pytest
 
@@ -132,6 +136,28 @@ def test_a_named_tool_streamed(client, server):
     (call,) = final.content
     assert call.type == "tool_use" and call.name == "get_weather"
     jsonschema.validate(call.input, WEATHER)
+
+
+def test_output_config_format_is_followed(client, server):
+    m = client.messages.create(model=server.name, max_tokens=40, messages=ASK, **GREEDY,
+                               output_config={"format": {"type": "json_schema",
+                                                         "schema": WEATHER}})  # fmt: skip
+    jsonschema.validate(json.loads(text_of(m)), WEATHER)
+
+
+def test_the_readme_example_as_written(server):
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    section = readme[readme.index("### Anthropic's Messages API") :]
+    block = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    code = block.replace("http://127.0.0.1:30000", server.url)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(code.replace('api_key="unused"', f'api_key="{KEY}"'), {})
+    shown = [line[2:] for line in block.splitlines() if line.startswith("# ")]
+    call, stop, text = out.getvalue().split("\n", 2)
+    assert call == "tool_use get_weather {'city': 'Paris'}"
+    assert stop == "end_turn True"
+    assert text.strip() == "\n".join(shown).removesuffix("   (135M parameters)")
 
 
 def test_a_second_identical_request_reads_the_prefix_cache(client, server):

@@ -107,7 +107,8 @@ async def _messages(
     state.check_model(body.model)
     chat = _chat(body)
     check_tools(chat, state.tool_parser)
-    sampling = chat.sampling(body.max_tokens) | {"grammar": forced_grammar(chat, state.tool_parser)}
+    sampling = chat.sampling(body.max_tokens)
+    sampling["grammar"] = _grammar(state, chat, sampling["grammar"])
     inp = state.prepare(chat_input(state, chat), sampling, None, ("messages", "max_tokens"))
     inp = dataclasses.replace(inp, **scheduling_fields(chat))
     output = chat_output(state.tool_parser, state.config.reasoning_parser, chat)
@@ -120,6 +121,17 @@ async def _messages(
     finally:
         gen.close()
     return JSONBody(_message(head, output, c, body))
+
+
+def _grammar(
+    state: ServerState, chat: ChatCompletionRequest, asked: tuple[str, str] | None
+) -> tuple[str, str] | None:
+    """A forced tool call's grammar, or output_config.format's (not both)."""
+    forced = forced_grammar(chat, state.tool_parser)
+    if forced is not None and asked is not None:
+        raise ApiError(400, "a forced tool call (tool_choice any or tool) cannot have "
+                       "output_config.format too", param="output_config.format")  # fmt: skip
+    return forced or asked
 
 
 def _message(
