@@ -182,8 +182,6 @@ def test_errors_come_in_anthropics_shape(client, server):
     assert info.value.body["error"]["type"] == "not_found_error"
     with pytest.raises(anthropic.BadRequestError, match="^.*max_tokens: this request needs"):
         client.messages.create(**ask | {"max_tokens": 9000})  # past the 8,192-token pool
-    with pytest.raises(anthropic.BadRequestError, match="strict"):
-        client.messages.create(**ask, tools=[TOOLS[0] | {"strict": True}])  # strict with auto
     with pytest.raises(anthropic.BadRequestError, match="thinking"):
         client.messages.create(**ask, thinking={"type": "enabled", "budget_tokens": 1024})
     wrong = anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0)

@@ -28,7 +28,12 @@ from radixserve.server.anthropic_protocol import (
     stop_reason,
     usage,
 )
-from radixserve.server.chat_io import chat_output, check_tools, forced_grammar
+from radixserve.server.chat_io import (
+    chat_output,
+    check_tools,
+    forced_grammar,
+    keeps_special_tokens,
+)
 from radixserve.server.chat_output import ChatOutput
 from radixserve.server.errors import ApiError
 from radixserve.server.protocol import ChatCompletionRequest, openapi_body, scheduling_fields
@@ -107,11 +112,13 @@ async def _messages(
     state.check_model(body.model)
     chat = _chat(body)
     check_tools(chat, state.tool_parser)
+    output = chat_output(state.tool_parser, state.config.reasoning_parser, chat)
     sampling = chat.sampling(body.max_tokens)
     sampling["grammar"] = _grammar(state, chat, sampling["grammar"])
+    # formats that open their calls with a special token ([TOOL_CALLS]) need it in the text
+    sampling["skip_special_tokens"] = not keeps_special_tokens(output, chat)
     inp = state.prepare(chat_input(state, chat), sampling, None, ("messages", "max_tokens"))
     inp = dataclasses.replace(inp, **scheduling_fields(chat))
-    output = chat_output(state.tool_parser, state.config.reasoning_parser, chat)
     head = {"id": message_id(), "type": "message", "role": "assistant", "model": state.model_name}
     gen = state.start([inp], start)
     if body.stream:

@@ -95,7 +95,7 @@ class ToolParam(_Strict):
     input_schema: dict[str, Any]
     type: Literal["custom"] | None = None  # Anthropic's server tools (web search...) are not run
     cache_control: CacheControl | None = None
-    strict: bool = False  # any / tool: always followed (a grammar); auto: refused, as on chat
+    strict: bool = False  # calls follow the schema (a grammar), as on the chat route
     eager_input_streaming: bool | None = None  # input fragments always stream as they come
     defer_loading: Any = unsupported("tool search is not implemented", False)
     allowed_callers: Any = unsupported("programmatic tool calling is not implemented", None,
