@@ -297,6 +297,51 @@ class ModelConfig:
             )
 
 
+@dataclass(frozen=True, slots=True)
+class DisaggConfig:
+    """Prefill/decode disaggregation (SGLang's flags and names): which half of the work this
+    engine does, and how the prompt's KV pages move from a prefill engine to a decode engine."""
+
+    disaggregation_mode: str = _f(
+        "null",
+        "null: prefill and decode here (as without the flag); prefill: compute prompts and send "
+        "their KV pages to the decode engine that registered the request's bootstrap_room; "
+        "decode: receive those pages, then generate (requests must carry bootstrap_room)",
+        choices=("null", "prefill", "decode"),
+    )
+    disaggregation_bootstrap_port: int = _f(
+        8998, "prefill: port of the bootstrap server decode engines ask (/route)", ge=1, le=65535
+    )
+    disaggregation_transfer_backend: str = _f(
+        "mooncake",
+        "how pages move: Mooncake's transfer engine (the mooncake extra; TCP, or RDMA with "
+        "--disaggregation-ib-device). SGLang's nixl and fake backends are not offered: NIXL "
+        "needs UCX and a GPU, and fake moves no bytes, so its decode output would be wrong",
+        choices=("mooncake",),
+    )
+    disaggregation_host: str = _f(
+        "127.0.0.1",
+        "address the peer engines reach this engine's scheduler and transfer engine at (the "
+        "machine's address when prefill and decode run on different machines)",
+    )
+    disaggregation_ib_device: str | None = _f(
+        None, "RDMA device(s) for Mooncake's transfer engine (default: TCP)"
+    )
+    disaggregation_waiting_timeout: float = _f(
+        300.0,
+        "seconds a prefill waits for its decode engine to register the room, and a decode "
+        "waits for its pages, before the request ends with an error",
+        gt=0,
+    )
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+    @property
+    def enabled(self) -> bool:
+        return self.disaggregation_mode != "null"
+
+
 def choices_of(choices: tuple[str, ...] | str) -> tuple[str, ...]:
     """A field's choices: listed, or "module:NAME" of a registry read when the flags are made
     (registries that import this module cannot be imported by it at load time)."""

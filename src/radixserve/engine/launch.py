@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from radixserve.config import CacheConfig, DisaggConfig, ModelConfig, SchedulerConfig
 from radixserve.engine.kv_events import KVEventsConfig
 from radixserve.engine.procutil import Endpoints
 from radixserve.engine.tokenizer_spec import TokenizerSpec
@@ -34,8 +34,12 @@ class EngineConfig:
     kv_events: KVEventsConfig | None = None  # publish KV-cache events (engine/kv_events.py)
     # --sim only: write prompts' pages to a KV store as placeholders (engine/sim_store.py)
     sim_kv_store: dict[str, Any] | None = None
+    disagg: DisaggConfig = field(default_factory=DisaggConfig)  # prefill/decode apart
 
     def __post_init__(self) -> None:
+        if self.disagg.enabled and self.sim is not None:
+            raise ValueError("--disaggregation-mode needs a real model: a simulated engine has "
+                             "no KV pages to send")  # fmt: skip
         # the scheduler's device-dependent defaults, for the device the steps run on (a
         # simulated engine models an accelerator)
         device = "cuda" if self.sim is not None else self.model.device.split(":")[0]
@@ -74,7 +78,7 @@ class EngineConfig:
         """Build from flat keyword arguments named like the fields of the three configs."""
         parts: dict[str, Any] = {}
         for name, part_cls in (("model", ModelConfig), ("cache", CacheConfig),
-                               ("sched", SchedulerConfig)):  # fmt: skip
+                               ("sched", SchedulerConfig), ("disagg", DisaggConfig)):  # fmt: skip
             names = {f.name for f in dataclasses.fields(part_cls)}
             parts[name] = part_cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
         own = {k: kwargs.pop(k) for k in ("sim", "sim_vocab_size", "sim_kv_store") if k in kwargs}

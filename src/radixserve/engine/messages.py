@@ -25,6 +25,40 @@ class GenerateReq:
     priority: int = 0
     routing_key: str | None = None
     namespace: str | None = None
+    # disaggregation: the room pairing this request's prefill and decode halves; on a decode
+    # engine also the prefill engine's scheduler endpoint (looked up on its bootstrap server)
+    bootstrap_room: int | None = None
+    prefill_endpoint: str | None = None
+
+
+@dataclass(slots=True)
+class KVDest:
+    """Decode -> prefill engine: where a room's prompt KV goes (Mooncake session, the pool's
+    layout, the reserved slots) and where to say it has landed."""
+
+    room: int
+    session: str
+    layout: Any  # kvstore.pd_transfer.PoolLayout
+    slots: list[int]
+    reply: str  # the decode scheduler's endpoint for KVDone
+
+
+@dataclass(slots=True)
+class KVDone:
+    """Prefill -> decode engine: the room's pages are written (``error`` None) with the first
+    token the prefill sampled, or they never will be (``error`` says why)."""
+
+    room: int
+    first_token: int | None
+    error: str | None = None
+    logprob: TokenLogprob | None = None
+
+
+@dataclass(slots=True)
+class KVCancel:
+    """Decode -> prefill engine: the room's request ended here; write nothing into its slots."""
+
+    room: int
 
 
 @dataclass(slots=True)

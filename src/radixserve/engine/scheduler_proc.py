@@ -15,6 +15,7 @@ from typing import Any
 
 import zmq
 
+from radixserve.engine import pd_worker
 from radixserve.engine.kv_events import KVEventPlane
 from radixserve.engine.load_meter import LoadRatioMeter, ratio_fields
 from radixserve.engine.messages import (
@@ -29,6 +30,7 @@ from radixserve.engine.messages import (
     TokenBatch,
     TokenOut,
 )
+from radixserve.engine.pd_rooms import make_role
 from radixserve.engine.procutil import Endpoints, exit_with_parent
 from radixserve.sched.batch import Batch, StepResult, TokenLogprob
 from radixserve.sched.request import FinishReason, Req, TokenOutput
@@ -62,11 +64,17 @@ class Worker:
     live: dict[str, Req] = field(default_factory=dict)  # requests whose tokens go out
     # prompt logprobs computed by prefill chunks, by position, until the first token goes out
     prompt_lp: dict[str, dict[int, TokenLogprob]] = field(default_factory=dict)
+    pd: Any = None  # engine.pd_rooms.PrefillRooms | DecodeRooms: a disaggregated engine's rooms
 
     def handle(self, msg: Any) -> None:
         if isinstance(msg, GenerateReq):
             self._add(msg)
+        elif isinstance(msg, pd_worker.PEER_MESSAGES):
+            if self.pd is not None:
+                pd_worker.on_peer(self, msg)
         elif isinstance(msg, (AbortReq, StopReq)):
+            if self.pd is not None:
+                pd_worker.forget(self, msg.rid)
             if self.storage is not None:  # waiting on its prefetch: not handed back
                 self.storage.cancel(msg.rid)
             if isinstance(msg, AbortReq):
@@ -95,11 +103,14 @@ class Worker:
             return
         s = self.scheduler
         try:
-            if self.storage is None:
+            if req.rid in self.live:
+                raise ValueError(f"request id {req.rid!r} is already in use")
+            if self.pd is not None:
+                if not pd_worker.add(self, msg, req):
+                    return
+            elif self.storage is None:
                 s.add_request(req)
             else:  # checked now: a request that waits on its prefetch is queued later
-                if req.rid in self.live:
-                    raise ValueError(f"request id {req.rid!r} is already in use")
                 check_request(req, s.context_length, s.kv.total, s.kv.page)
                 if not self.storage.lookup(req, s.cache):
                     s.add_request(req)
@@ -107,7 +118,7 @@ class Worker:
             self.push.send_pyobj(ErrorOut(msg.rid, str(e), 400))
             return
         self.live[msg.rid] = req
-        sp = msg.sampling
+        sp = req.sampling  # a prefill engine's: up to the first token
         self.push.send_pyobj(OpenStream(msg.rid, sp.stop, sp.skip_special_tokens, sp.no_stop_trim,
                                         sp.min_new_tokens))  # fmt: skip
 
@@ -124,6 +135,8 @@ class Worker:
             if self.storage is not None:
                 stats.update(self.storage.stats())
             return {**stats, **(self.meter.report() if self.meter else self.ratios)}
+        if msg.op == "check_integrity":
+            return self._integrity()
         if msg.op == "kv_events_snapshot":
             return self.events.snapshot() if self.events is not None else None
         if msg.op == "kv_events_stats":
@@ -133,6 +146,21 @@ class Worker:
         if msg.op == "update_scheduler_settings":
             return self._update_settings(msg.args or {})
         return {"error": f"unknown control op {msg.op!r}"}
+
+    def _integrity(self) -> dict[str, Any]:
+        """The scheduler's recount, and where every KV slot is (free, evictable in the tree,
+        or held); a disaggregated engine's rooms too."""
+        s = self.scheduler
+        try:
+            s.check_integrity()
+            error = None
+        except AssertionError as e:
+            error = str(e) or "an integrity check failed"
+        pd = self.pd.counts() if self.pd is not None else {}
+        return {"ok": error is None, "error": error, "total": s.kv.total,
+                "free": s.allocator.available(), "evictable": s.cache.evictable_size(),
+                "running": s.num_running, "waiting": s.num_waiting,
+                "receiving": len(s.receiving), "rooms": pd}  # fmt: skip
 
     def _update_settings(self, changes: dict[str, Any]) -> dict[str, Any]:
         """Between two steps, so no batch is in flight; a refused change changes nothing."""
@@ -163,7 +191,10 @@ class Worker:
         if self.realtime and result.duration:
             time.sleep(result.duration)
         lps = self._logprobs(batch, result)
+        failed = pd_worker.send_pages(self, batch, result, lps) if self.pd is not None else ()
         outs = self.scheduler.on_output(batch, result)
+        if failed:
+            outs = [o for o in outs if o.rid not in failed]
         for req in prompts:  # now in the tree: pinned there for the writer thread, not read here
             self.storage.offer_write(req.input_ids, req.namespace, self.scheduler.kv)
         sent = [t for t in (self._token_out(o, lps.get(o.rid)) for o in outs) if t is not None]
@@ -255,6 +286,8 @@ class Worker:
             idle_ms = 1000
             if storage is not None:  # prefetches to land soon; pins to release now and then
                 idle_ms = 2 if storage.waiting() else 50 if storage.pinning() else 1000
+            if self.pd is not None:
+                idle_ms = pd_worker.tick(self) or idle_ms
             self.drain(None if busy else idle_ms)
             if storage is not None:
                 self._queue_fetched()
@@ -309,8 +342,16 @@ def run_scheduler(engine_config: Any, endpoints: Endpoints, ready: Any, parent_p
             ready.send(("error", f"--hicache-storage-backend: {e}"))
             return
         info["kv_store"] = storage.info()
+    try:
+        pd = make_role(engine_config.disagg, runner, pull)
+    except (ValueError, zmq.ZMQError) as e:
+        ready.send(("error", f"--disaggregation-mode: {e}"))
+        return
+    if pd is not None:
+        info["disaggregation"] = pd.info()
     ready.send(("ready", {"pid": os.getpid(), **info}))
     worker = Worker(scheduler, runner, pull, push, engine_config.sim is not None, events, tiers)
+    worker.pd = pd
     worker.store = store
     worker.storage = storage
     worker.meter = meter

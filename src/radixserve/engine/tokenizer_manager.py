@@ -28,6 +28,7 @@ from radixserve.engine.messages import (
     TextBatch,
     TextOut,
 )
+from radixserve.engine.pd_bootstrap import RouteCache
 from radixserve.sched.request import SamplingParams
 
 # The engine's own request ids start with this; a client's rid may not, so that no client can
@@ -74,6 +75,8 @@ class GenerateInput:
     prefill_only: bool = False
     # chat only: the template's variables besides the messages (tools, chat_template_kwargs)
     template_vars: dict[str, Any] = field(default_factory=dict)
+    # prefill/decode disaggregation (SGLang's fields): bootstrap (host, port, room)
+    bootstrap: tuple[str, int, int] | None = None
 
 
 def prompt_inputs(prompt: Any) -> tuple[list[GenerateInput], bool]:
@@ -118,6 +121,8 @@ class TokenizerManager:
         self._prefix = f"{SERVER_RID_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.dead: str | None = None
         self._tasks: list[asyncio.Task] = []
+        self.pd_mode = "null"  # a decode engine looks the prefill engine's scheduler up
+        self._routes = RouteCache()
 
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
@@ -213,12 +218,14 @@ class TokenizerManager:
             raise EngineDeadError(self.dead)
         ids = self.tokenize(inp)
         self.check_length(ids)
+        room = await self._room(inp.bootstrap) if inp.bootstrap else (None, None)
         rid = self._rid(inp.rid)
         pending = self._pending[rid] = _Pending()
         # prompt logprobs come from computing the prompt: such a request shares no cached prefix
         # (its own namespace), so every prompt token it asks about is computed for it
         space = f"prompt-logprobs:{rid}" if inp.sampling.prompt_logprobs else inp.namespace
         req = GenerateReq(rid, ids, inp.sampling, inp.priority, inp.routing_key, space)
+        req.bootstrap_room, req.prefill_endpoint = room
         finished = False
         try:
             await self._push.send_pyobj(req)
@@ -238,6 +245,16 @@ class TokenizerManager:
             self._pending.pop(rid, None)
             if not finished and not pending.aborted and not self.dead:
                 await self._push.send_pyobj(AbortReq(rid))
+
+    async def _room(self, bootstrap: tuple[str, int, int]) -> tuple[int | None, str | None]:
+        """The room, and on a decode engine the prefill scheduler it talks to."""
+        host, port, room = bootstrap
+        if self.pd_mode != "decode":
+            return room, None
+        try:
+            return room, await self._routes.endpoint(host, port)
+        except ConnectionError as e:
+            raise RequestError(str(e), 502, "bootstrap_unreachable", "bootstrap_host") from None
 
     def _rid(self, asked: str | None) -> str:
         if asked is None:

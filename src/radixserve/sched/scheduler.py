@@ -231,12 +231,12 @@ class Scheduler:
         self.running.enter(req)
         return True
 
-    def receive(self, rid: str, first_token: int) -> None:
+    def receive(self, rid: str, first_token: int) -> TokenOutput:
         """The prompt's KV has landed in the reserved slots, with the first token the prefill
         engine sampled: the request decodes from the next step (or ends, on a stop token)."""
         req = self.receiving.pop(rid)
         self.running.decoding[rid] = req
-        self._append(req, first_token, was_prefill=False)
+        return self._append(req, first_token, was_prefill=False)
 
     # -- runs of pure decode steps (the simulator's fast path) -------------------------------
     def decode_run_length(self) -> int:

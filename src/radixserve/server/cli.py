@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from radixserve.config import (
     CacheConfig,
+    DisaggConfig,
     ModelConfig,
     SchedulerConfig,
     add_check,
@@ -44,6 +45,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     add_dataclass_args(parser, ModelConfig, "model", check=False)
     add_dataclass_args(parser, CacheConfig, "cache", check=False)
     add_dataclass_args(parser, SchedulerConfig, "scheduler", check=False)
+    add_dataclass_args(parser, DisaggConfig, "prefill/decode disaggregation", check=False)
     parser.add_argument_group("kv events").add_argument(
         "--kv-events-config", default=None, metavar="JSON",
         help="publish KV-cache events as vLLM does, e.g. '{\"endpoint\": \"tcp://*:5557\", "
@@ -77,7 +79,8 @@ def configs(args: argparse.Namespace) -> tuple[ServerConfig, Any]:
                                  kv_events=None if events is None
                                  else KVEventsConfig.from_json(events),
                                  sim_kv_store=None if args.sim_kv_store is None
-                                 else _json_object(args.sim_kv_store))  # fmt: skip
+                                 else _json_object(args.sim_kv_store),
+                                 disagg=from_args(DisaggConfig, args))  # fmt: skip
     check_config(engine_config.sched, engine_config.cache.page_size)
     return server, engine_config
 
@@ -98,22 +101,42 @@ def run(args: argparse.Namespace) -> int:
         print(f"radixserve serve: cannot listen on {server.host}:{server.port}: {e}",
               file=sys.stderr)  # fmt: skip
         return 1
+    try:
+        boot = _bootstrap_socket(engine_config.disagg)
+    except OSError as e:
+        port = engine_config.disagg.disaggregation_bootstrap_port
+        print(f"radixserve serve: error: --disaggregation-bootstrap-port {port}: {e}",
+              file=sys.stderr)  # fmt: skip
+        sock.close()
+        return 2
     stops = StopSignals()
     previous = {s: signal.signal(s, stops.handle) for s in STOP_SIGNALS}
     try:
-        return _launch_and_serve(server, engine_config, sock, stops)
+        return _launch_and_serve(server, engine_config, sock, stops, boot)
     except KeyboardInterrupt:  # SIGINT or SIGTERM while the engine starts
         print("radixserve serve: stopped while starting the engine", file=sys.stderr)
         return 1
     finally:
         sock.close()
+        if boot is not None:
+            boot.close()
         for s, handler in previous.items():
             signal.signal(s, handler)
 
 
+def _bootstrap_socket(disagg: DisaggConfig) -> socket.socket | None:
+    """A prefill engine's bootstrap port, bound before the model loads (in use: exit 2)."""
+    if disagg.disaggregation_mode != "prefill":
+        return None
+    from radixserve.engine.pd_bootstrap import bind_bootstrap
+
+    return bind_bootstrap("0.0.0.0", disagg.disaggregation_bootstrap_port)
+
+
 def _launch_and_serve(
-    server: ServerConfig, engine_config: Any, sock: socket.socket, stops: StopSignals
-) -> int:
+    server: ServerConfig, engine_config: Any, sock: socket.socket, stops: StopSignals,
+    boot: socket.socket | None = None,
+) -> int:  # fmt: skip
     from radixserve.engine.launch import EngineStartError, launch
 
     what = f"simulated {server.sim}" if server.sim else (engine_config.model.model or "built-in")
@@ -123,10 +146,17 @@ def _launch_and_serve(
     except EngineStartError as e:
         print(f"radixserve serve: {e}", file=sys.stderr)
         return 1
+    bootstrap = None
     try:
+        if boot is not None:
+            from radixserve.engine.pd_bootstrap import BootstrapServer
+
+            bootstrap = BootstrapServer(boot, engine.info["disaggregation"])
         stops.started = True
         _run_loop(serve(server, engine, sock, stops))
     finally:
+        if bootstrap is not None:
+            bootstrap.close()
         engine.shutdown()
     return 0
 

@@ -70,6 +70,12 @@ def admin_routes(state: ServerState) -> APIRouter:
     router = APIRouter(dependencies=[Depends(state.authorize_admin)])
     limit = state.config.max_payload_size
 
+    @router.get("/debug/check_integrity")
+    async def check_integrity() -> dict[str, Any]:
+        """The scheduler recounts its KV accounting; where every slot is (free, evictable,
+        held) and, on a prefill or decode engine, the rooms it keeps."""
+        return await state.tm.control("check_integrity", timeout=10.0)
+
     @router.post("/update_scheduler_settings", openapi_extra=openapi_body(SchedulerSettings))
     async def update_scheduler_settings(request: Request) -> dict[str, Any]:
         body = await read_json(request, SchedulerSettings, limit)

@@ -39,7 +39,37 @@ def scheduling_fields(body: Any) -> dict[str, Any]:
 
 Priority = Annotated[int, Field(ge=-(2**31), lt=2**31)]
 RoutingKey = Annotated[str | None, Field(max_length=256)]
+Room = Annotated[int, Field(ge=0, lt=2**64)]
+Port = Annotated[int, Field(ge=1, le=65535)]
+BootstrapHost = str | list[str] | None
+BootstrapPort = Port | list[Port | None] | None
+BootstrapRoom = Room | list[Room] | None
+DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's, where a router sends none
 UNSUPPORTED = "unsupported"  # json_schema_extra key: why the server refuses the field
+
+
+def bootstraps(body: Any, count: int) -> list[tuple[str, int, int] | None]:
+    """SGLang's ``bootstrap_host/port/room`` for each of ``count`` requests: scalars (one room
+    for one request; room + i for the i-th of several, as for ``n`` > 1) or lists of one
+    each. All None: the request is not disaggregated."""
+    host, port, room = body.bootstrap_host, body.bootstrap_port, body.bootstrap_room
+    if room is None:
+        if host is not None or port is not None:
+            raise ApiError(400, "bootstrap_host and bootstrap_port need bootstrap_room",
+                           param="bootstrap_room")  # fmt: skip
+        return [None] * count
+    rooms = _each(room, count, "bootstrap_room", lambda i: room + i)
+    hosts = _each(host, count, "bootstrap_host", lambda i: host)
+    ports = _each(port, count, "bootstrap_port", lambda i: port)
+    return [(h or "", p or DEFAULT_BOOTSTRAP_PORT, r) for h, p, r in zip(hosts, ports, rooms)]
+
+
+def _each(value: Any, count: int, name: str, nth: Any) -> list[Any]:
+    if not isinstance(value, list):
+        return [nth(i) for i in range(count)]
+    if len(value) != count:
+        raise ApiError(400, f"{name} has {len(value)} entries for {count} requests", param=name)
+    return value
 
 
 def unsupported(why: str, default: Any = None, accept: tuple[Any, ...] = ()) -> Any:
@@ -181,6 +211,10 @@ class _OpenAISampling(_Sampling):
     lora_path: Any = unsupported(NO_LORA)
     priority: Priority = 0
     routing_key: RoutingKey = None
+    # SGLang's prefill/decode fields, as its routers fill them
+    bootstrap_host: BootstrapHost = None
+    bootstrap_port: BootstrapPort = None
+    bootstrap_room: BootstrapRoom = None
     # informational: identify the end user or the cache bucket; nothing to apply
     user: str | None = None
     # vLLM's extensions
@@ -378,9 +412,9 @@ class GenerateRequest(_Body):
     custom_logit_processor: Any = unsupported("custom logit processors are not supported")
     return_hidden_states: Any = unsupported("hidden states are not returned", False)
     session_params: Any = unsupported("sessions are not implemented")
-    bootstrap_host: Any = unsupported("prefill/decode disaggregation is not implemented")
-    bootstrap_port: Any = unsupported("prefill/decode disaggregation is not implemented")
-    bootstrap_room: Any = unsupported("prefill/decode disaggregation is not implemented")
+    bootstrap_host: BootstrapHost = None
+    bootstrap_port: BootstrapPort = None
+    bootstrap_room: BootstrapRoom = None
     data_parallel_rank: Any = unsupported("one engine per server; route with radixserve route")
 
     def logprob_args(self, i: int, count: int) -> dict[str, Any]:

@@ -37,6 +37,7 @@ from radixserve.server.protocol import (
     GenerateRequest,
     GenerateSampling,
     TokenizeRequest,
+    bootstraps,
     openapi_body,
     scheduling_fields,
 )
@@ -133,6 +134,7 @@ async def _openai(
     fields = scheduling_fields(body)
     inputs = [dataclasses.replace(p, **fields, sampling=_nth_seed(p.sampling, i))
               for p in prepared for i in range(body.n)]  # fmt: skip
+    inputs = state.with_bootstrap(inputs, bootstraps(body, len(inputs)))
     asked_lp = prepared[0].sampling.return_logprob if prepared else False
     head = (Head.new(chat, state.model_name, state.token_text, state.visible_text) if asked_lp
             else Head.new(chat, state.model_name))  # fmt: skip
@@ -262,6 +264,7 @@ async def _generate(
     ]
     fields = scheduling_fields(body)
     inputs = [dataclasses.replace(p, **fields, rid=r) for p, r in zip(inputs, rids)]
+    inputs = state.with_bootstrap(inputs, bootstraps(body, len(inputs)))
     gen = state.start(inputs, start)
     text = state.token_text if body.return_text_in_logprobs else None
     for c, inp in zip(gen.choices, inputs):

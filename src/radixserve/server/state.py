@@ -52,6 +52,7 @@ class ServerState:
         template = getattr(engine.tokenizer, "chat_template", None)
         state.tool_parser = tool_parser_name(config.tool_call_parser, template)
         state.note_settings(dataclasses.asdict(engine.config.sched))
+        tm.pd_mode = engine.config.disagg.disaggregation_mode
         return state
 
     def note_settings(self, sched: dict[str, Any]) -> None:
@@ -156,6 +157,39 @@ class ServerState:
         total = prompt + (asked or 0)
         return (f"this request needs {total} tokens ({prompt} in the prompt, {asked or 0} to "
                 f"generate); the model's {what} allows {self.window}")  # fmt: skip
+
+    def with_bootstrap(
+        self, inputs: list[GenerateInput], boots: list[tuple[str, int, int] | None]
+    ) -> list[GenerateInput]:
+        """Each input with its room; a 400 where the engine's role and the fields disagree."""
+        mode = self.engine.config.disagg.disaggregation_mode
+        if mode == "null" and any(boots):
+            raise ApiError(
+                400,
+                "bootstrap_room is for prefill and decode engines (this one was "
+                "started without --disaggregation-mode)",
+                param="bootstrap_room",
+            )
+        if mode != "null" and not all(boots):
+            raise ApiError(
+                400,
+                f"a {mode} engine serves requests with bootstrap_room (and on "
+                "a decode engine bootstrap_host and bootstrap_port): a PD router "
+                "fills them",
+                param="bootstrap_room",
+            )
+        if mode == "decode" and not all(b and b[0] for b in boots):
+            raise ApiError(
+                400,
+                "a decode engine needs bootstrap_host (the prefill engine's host)",
+                param="bootstrap_host",
+            )
+        rooms = [b[2] for b in boots if b]
+        if len(set(rooms)) != len(rooms):
+            raise ApiError(
+                400, "the bootstrap_rooms of one request must differ", param="bootstrap_room"
+            )
+        return [dataclasses.replace(i, bootstrap=b) for i, b in zip(inputs, boots)]
 
     def start(self, inputs: Sequence[GenerateInput], start: float) -> Generation:
         """Send ``inputs`` to the engine (``check_batch`` passed before they were prepared);
