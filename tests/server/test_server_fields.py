@@ -263,6 +263,16 @@ def _cached(out: Out) -> int:
     return out.raw["meta_info"]["cached_tokens"]
 
 
+def check_bootstrap(server, route: Route) -> None:
+    """Honoured by prefill and decode engines (tests/server/test_server_pd.py, real engines);
+    an aggregated engine, like this one, refuses a room, and a host or port needs a room."""
+    err = assert_error_body(server.post(route.path, route.body(bootstrap_room=7)), 400)
+    assert err["param"] == "bootstrap_room" and "--disaggregation-mode" in err["message"], err
+    for field, value in (("bootstrap_host", "127.0.0.1"), ("bootstrap_port", 8998)):
+        err = assert_error_body(server.post(route.path, route.body(**{field: value})), 400)
+        assert err["param"] == "bootstrap_room", err
+
+
 def check_priority(server, route: Route) -> None:
     # orders requests only under priority scheduling (tested in test_sched_features); off here
     err = assert_error_body(server.post(route.path, route.body(priority=2)), 400)
@@ -358,6 +368,9 @@ HONOURED: dict[str, Check] = {
     "cache_salt": check_cache_salt,
     "priority": check_priority,
     "sampling_params": check_sampling_params,
+    "bootstrap_host": check_bootstrap,
+    "bootstrap_port": check_bootstrap,
+    "bootstrap_room": check_bootstrap,
     "add_generation_prompt": check_chat_flags,
     "continue_final_message": check_chat_flags,
     "tools": check_tools,

@@ -20,7 +20,8 @@ pytest.importorskip("mooncake.engine")
 pytest.importorskip("torch")
 
 SMALL = ["--max-total-tokens", "2048", "--num-threads", "1"]
-WAIT_S = 8.0  # --disaggregation-waiting-timeout of both engines
+START_S = 400.0
+WAIT_S = 20.0  # --disaggregation-waiting-timeout of both engines (room for a busy machine)
 PROMPTS = [
     "The capital of France is",
     "Write a haiku about the sea.",
@@ -38,12 +39,14 @@ def _free_port() -> int:
 def fleet():
     boot = _free_port()
     timeout = ["--disaggregation-waiting-timeout", str(WAIT_S)]
-    with ThreadPoolExecutor(3) as pool:
+    with ThreadPoolExecutor(3) as pool:  # three model loads at once: slow on a busy machine
         futs = [
             pool.submit(ServerProcess, [*SMALL, "--disaggregation-mode", "prefill",
-                                        "--disaggregation-bootstrap-port", str(boot), *timeout]),
-            pool.submit(ServerProcess, [*SMALL, "--disaggregation-mode", "decode", *timeout]),
-            pool.submit(ServerProcess, SMALL),
+                                        "--disaggregation-bootstrap-port", str(boot), *timeout],
+                        START_S),
+            pool.submit(ServerProcess, [*SMALL, "--disaggregation-mode", "decode", *timeout],
+                        START_S),
+            pool.submit(ServerProcess, SMALL, START_S),
         ]  # fmt: skip
         servers = [f.result() for f in futs]
     yield (*servers, boot)
@@ -212,3 +215,22 @@ def test_a_bootstrap_port_in_use_is_one_line_and_exit_2():
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "--disaggregation-bootstrap-port" in lines[0], done.stderr
+
+
+def test_a_client_that_leaves_mid_stream_frees_both_sides(fleet):
+    import http.client
+
+    prefill, decode, _, boot = fleet
+    body = {"text": PROMPTS[1], "stream": True,
+            "sampling_params": {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True},
+            "bootstrap_host": "127.0.0.1", "bootstrap_port": boot, "bootstrap_room": _room()}  # fmt: skip
+    with ThreadPoolExecutor(1) as pool:
+        p = pool.submit(prefill.post, "/generate", body, timeout=60)
+        conn = http.client.HTTPConnection(decode.host, decode.port, timeout=60)
+        conn.request("POST", "/generate", json.dumps(body))
+        resp = conn.getresponse()
+        assert resp.status == 200
+        assert resp.readline().startswith(b"data: ")  # generating: now leave
+        conn.close()
+        assert p.result().status == 200
+    _check_clean(prefill, decode)

@@ -156,6 +156,15 @@ class PrefillRooms(PDRole):
                             f"within {self.timeout:g} s"))  # fmt: skip
         return out
 
+    def abandon(self, rid: str) -> None:
+        """The client went away: a decode engine waiting on the pages hears so now."""
+        got = self.running.get(rid)
+        if got is not None:
+            room, dest = got
+            self.peers.send(dest.reply, KVDone(room, None, f"the prefill request of "
+                                               f"bootstrap_room {room} was aborted"))  # fmt: skip
+        self.forget(rid)
+
     def forget(self, rid: str) -> None:
         room = next((r for r, x in self.rooms.items() if x == rid), None)
         if room is not None:

@@ -104,7 +104,7 @@ def forget(worker: Any, rid: str) -> None:
     if isinstance(pd, DecodeRooms):
         pd.cancel(rid, worker.scheduler)
     else:
-        pd.forget(rid)
+        pd.abandon(rid)
 
 
 def _fail(worker: Any, rid: str, why: str, code: int) -> None:
