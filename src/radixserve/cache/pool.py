@@ -7,12 +7,14 @@ from __future__ import annotations
 
 from array import array
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from operator import floordiv
 
 from radixserve.cache.tokens import SLOT_CODE
+
+_W = array(SLOT_CODE).itemsize  # bytes per slot id
 
 
 class SlotError(RuntimeError):
@@ -46,9 +48,11 @@ class SlotAllocator:
         self._nfree = 0
         self._fresh = 0  # pages [_fresh, num_pages) were never handed out
         self._in_use = bytearray(self.num_pages)
-        # iota[i] == i for every slot handed out so far: runs of slot and page ids are sliced
-        # from it (a memcpy) instead of built from a range (an int object per id)
-        self._iota = array(SLOT_CODE)
+        # iota: the ids 0, 1, 2, ... of every slot handed out so far, as the raw bytes of an
+        # array(SLOT_CODE): runs of slot and page ids are sliced from it (a memcpy) instead of
+        # built from a range (an int object per id), and a freed run is checked against it
+        # with bytearray.startswith (a memcmp, no copy of either side)
+        self._iota = bytearray()
 
     def available(self) -> int:
         """Free token slots (whole pages)."""
@@ -81,11 +85,7 @@ class SlotAllocator:
         self._mark(taken, 1)
         if p == 1:
             return taken
-        out = array(SLOT_CODE)
-        for page in taken:
-            out.extend(range(page * p, page * p + p))
-        del out[num_tokens:]
-        return out
+        return self._slots_of(taken, num_tokens)
 
     def _take(self, pages: int) -> array:
         """The next ``pages`` free pages in handing-out order (there are enough)."""
@@ -96,14 +96,37 @@ class SlotAllocator:
         if pages > reused:
             fresh = self._fresh
             self._fresh = fresh + pages - reused
-            taken += self._iota_to(self._fresh * self.page_size)[fresh : self._fresh]
+            self._iota_to(self._fresh * self.page_size)
+            taken += self._ids(fresh, self._fresh)
         return taken
 
-    def _iota_to(self, n: int) -> array:
-        iota = self._iota
-        if len(iota) < n:
-            iota.extend(range(len(iota), n))  # once per slot ever handed out
-        return iota
+    def _iota_to(self, n: int) -> None:
+        have = len(self._iota) // _W
+        if have < n:  # once per slot ever handed out
+            self._iota += array(SLOT_CODE, range(have, n)).tobytes()
+
+    def _ids(self, lo: int, hi: int) -> array:
+        """The ids lo, lo + 1, ..., hi - 1 (all below what ``_iota_to`` made), as an array."""
+        out = array(SLOT_CODE)
+        with memoryview(self._iota) as view:
+            out.frombytes(view[lo * _W : hi * _W])
+        return out
+
+    def _slots_of(self, pages: Sequence[int], n: int) -> array:
+        """The first ``n`` slots of ``pages``, in order: one slice of ids per run of
+        consecutive pages (freed leaves come back as runs), not one int object per slot."""
+        p = self.page_size
+        self._iota_to(self._fresh * p)
+        out = array(SLOT_CODE)
+        start = prev = pages[0]
+        for page in pages[1:]:
+            if page != prev + 1:
+                out += self._ids(start * p, prev * p + p)
+                start = page
+            prev = page
+        out += self._ids(start * p, prev * p + p)
+        del out[n:]
+        return out
 
     def _mark(self, pages: array, flag: int) -> None:
         """Set the in-use flag of ``pages``: one slice when they are a run, else a C-level map."""
@@ -140,18 +163,18 @@ class SlotAllocator:
     def _free_run(self, slots: Sequence[int]) -> bool:
         """Free ``slots`` at C speed if they are one ascending run of whole pages, all in use
         (an evicted leaf, a finished request's own slots); False (nothing done) otherwise."""
-        p, lo, n, iota = self.page_size, slots[0], len(slots), self._iota
+        p, lo, n = self.page_size, slots[0], len(slots)
         hi = lo + n  # exclusive
-        if lo < 0 or lo % p or hi % p or hi > len(iota) or slots[-1] != hi - 1:
+        if lo < 0 or lo % p or hi % p or hi * _W > len(self._iota) or slots[-1] != hi - 1:
             return False
         if type(slots) is not array or slots.typecode != SLOT_CODE:
             return False
-        if slots.tobytes() != iota[lo:hi].tobytes():  # a memcmp (array == compares per item)
+        if not self._iota.startswith(slots, lo * _W):  # a memcmp in place
             return False
         if self._in_use.find(0, lo // p, hi // p) >= 0:
             return False  # a page not in use: the slow path names it
         self._in_use[lo // p : hi // p] = bytes(n // p)
-        self._push_free(slots if p == 1 else iota[lo // p : hi // p])
+        self._push_free(slots if p == 1 else self._ids(lo // p, hi // p))
         return True
 
     def _push_free(self, pages: array) -> None:
@@ -164,7 +187,25 @@ class SlotAllocator:
         p = self.page_size
         if p == 1:
             return array(SLOT_CODE, sorted(set(slots)))
-        return array(SLOT_CODE, sorted(set(map(floordiv, slots, repeat(p)))))
+        pages: Iterable[int] | None = self._whole_pages(slots)
+        if pages is None:
+            pages = map(floordiv, slots, repeat(p))  # one int object per slot
+        return array(SLOT_CODE, sorted(set(pages)))
+
+    def _whole_pages(self, slots: Sequence[int]) -> list[int] | None:
+        """The page of each ``p``-th slot, when ``slots`` are pages each from its first slot on
+        (the last may end early): what a tree node or a request frees. Checked with one
+        compare against the slots those pages hold, at a cost per page, not per slot."""
+        p = self.page_size
+        if type(slots) is not array or slots.typecode != SLOT_CODE:
+            return None
+        firsts = slots[::p]
+        if min(firsts) < 0 or max(firsts) >= self._fresh * p:  # never handed out: slow path
+            return None
+        pages = list(map(floordiv, firsts, repeat(p)))
+        if self._slots_of(pages, len(slots)).tobytes() != slots.tobytes():  # a memcmp
+            return None
+        return pages
 
 
 @dataclass(slots=True)
