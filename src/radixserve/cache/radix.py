@@ -26,6 +26,7 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 
 from radixserve.cache.evict import POLICIES, EvictionHeap, add_hit
+from radixserve.cache.host_room import HostRoomMixin
 from radixserve.cache.host_tree import HostTreeMixin
 from radixserve.cache.node import MatchResult, TreeListener, TreeNode, path_slots
 from radixserve.cache.tiers import HostTier
@@ -35,7 +36,7 @@ from radixserve.config import CacheConfig
 __all__ = ["MatchResult", "RadixCache", "TreeListener", "TreeNode", "path_slots", "token_array"]
 
 
-class RadixCache(HostTreeMixin):
+class RadixCache(HostTreeMixin, HostRoomMixin):
     """Prefix tree over token ids; one subtree per namespace (LoRA id, cache salt, ...).
 
     With a ``host`` tier, a node evicted from the device pool keeps its KV in host memory when

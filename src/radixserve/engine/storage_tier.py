@@ -13,11 +13,14 @@ ever touched by it. A pinned path is like a running request's prefix: not room f
 it is released; the pins out are bounded (half the device pool or one prompt, whichever is
 more, and ``write_queue_pages``), so a hung store keeps at most that much from eviction. On a
 new request it asks the tree how much of the prompt either tier holds, and hands the chunk keys
-after that to the prefetch thread; between steps it takes finished prefetches (``poll``): host
-slots are allocated, the bytes copied in, the pages inserted as host-only nodes
-(``cache.insert_host``), and a request that waited is queued. Only the two threads talk to the store, so a slow or dead store never
-holds the scheduler up; a request waiting on its prefetch is not in the scheduler yet, so the
-others are admitted meanwhile.
+after that to the prefetch thread, as many as the host tier can make room for besides the
+prefetches in flight (``cache.host_room``: free slots, host copies of pages the device holds
+too, host-only leaves; the rest are skipped, counted: never read to be dropped); between steps
+it takes finished prefetches (``poll``): host slots are made (``cache.land_slots``), the bytes
+copied in, the pages inserted as host-only nodes (``cache.insert_host``), and a request that
+waited is queued. Only the two threads talk to the store, so a slow or dead store never holds
+the scheduler up; a request waiting on its prefetch is not in the scheduler yet, so the others
+are admitted meanwhile.
 
 Prefetch policies (SGLang's): ``best_effort`` queues the request at once (what has landed when
 it is admitted is used; later pages still land for the next request), ``wait_complete`` holds it
@@ -157,6 +160,8 @@ class StorageCounts:
     storage_prefetch_timeouts: int = 0  # held requests queued at their deadline
     storage_prefetch_failures: int = 0  # prefetches that loaded fewer pages than listed
     storage_prefetch_tokens: int = 0  # tokens landed in the host tier from the store
+    storage_prefetch_skipped_pages: int = 0  # not read: beyond the host room for a prefetch
+    storage_prefetch_unlanded_pages: int = 0  # read, but the host room was gone when they came
     storage_write_dropped_pages: int = 0  # not written: the writer's queue was full
     storage_pages_written: int = 0
     storage_pages_gathered: int = 0  # pages read from the device pool for the writer
@@ -198,6 +203,7 @@ class StorageTier:
         self._outages = 0
         self.fetches: dict[str, _Fetch] = {}  # by rid, until landed
         self.loaded: dict[str, int] = {}  # rid -> tokens its prefetch landed (for its report)
+        self._claimed = 0  # pages the prefetches in flight will want host room for
         self._done: queue.SimpleQueue[_Fetch] = queue.SimpleQueue()
         self._fetch_q: queue.SimpleQueue[_Fetch | None] = queue.SimpleQueue()
         self._write_q: queue.SimpleQueue[_Write | None] = queue.SimpleQueue()
@@ -357,18 +363,32 @@ class StorageTier:
         keys = self.keys(ids[:n], ns)
         if not keys or first >= len(keys):
             return False
+        fit = self._host_room(cache, len(keys) - first)
+        self.counts.storage_prefetch_skipped_pages += len(keys) - first - fit
+        if not fit:
+            return False
+        keys = keys[: first + fit]
         policy = self.settings.prefetch_policy
         wait = policy != "best_effort"
         deadline = None
         if policy == "timeout":
-            deadline = self.clock() + prefetch_timeout_s((len(keys) - first) * self.chunk)
-        f = _Fetch(req.rid, ids[:n], ns, first, keys[first:], deadline, req if wait else None)
+            deadline = self.clock() + prefetch_timeout_s(fit * self.chunk)
+        f = _Fetch(req.rid, ids[: len(keys) * self.chunk], ns, first, keys[first:], deadline,
+                   req if wait else None)  # fmt: skip
         self.fetches[req.rid] = f
+        self._claimed += fit
         self.counts.storage_prefetch_lookups += 1
         if wait:
             self.counts.storage_prefetch_waits += 1
         self._fetch_q.put(f)
         return wait
+
+    def _host_room(self, cache: Any, pages: int) -> int:
+        """How many of ``pages`` can land in the host tier, after the prefetches in flight
+        (only those are read: a page with nowhere to land is not worth its read)."""
+        c = self.chunk
+        room = cache.host_room((self._claimed + pages) * c) // c
+        return max(0, room - self._claimed)
 
     def _may_try(self) -> bool:
         """False while the backend is marked down and its down duration runs: a lookup would
@@ -415,6 +435,7 @@ class StorageTier:
             except queue.Empty:
                 break
             self.fetches.pop(f.rid, None)
+            self._claimed -= len(f.keys)
             if f.got < f.found:
                 self.counts.storage_prefetch_failures += 1
             if f.got:
@@ -434,16 +455,19 @@ class StorageTier:
         return ready
 
     def _land(self, f: _Fetch, cache: Any) -> None:
-        """Put ``f.got`` fetched pages in the host tier as host-only nodes of the tree."""
+        """Put ``f.got`` fetched pages in the host tier as host-only nodes of the tree: as
+        many leading ones as the host tier has room for now (room sized at lookup may have
+        gone to the device's copies meanwhile; the rest are counted, not landed)."""
         self._remember(f.keys[: f.found])
         c = self.chunk
         start, end = f.first * c, (f.first + f.got) * c
-        slots = cache.alloc_host(end - start)
-        if slots is None:  # the host tier cannot hold them (all of it is in use)
+        slots = cache.land_slots(f.ids, start, end, c, f.namespace)
+        self.counts.storage_prefetch_unlanded_pages += f.got - len(slots) // c
+        if not len(slots):
             return
         self.pool.write_host_pages(slots, f.data, c)
         # nothing is inserted if the part before them left both tiers meanwhile
-        added = cache.insert_host(f.ids[:end], slots, f.namespace, start)
+        added = cache.insert_host(f.ids[: start + len(slots)], slots, f.namespace, start)
         self.counts.storage_prefetch_tokens += added
         self.loaded[f.rid] = self.loaded.get(f.rid, 0) + added
 

@@ -45,6 +45,14 @@ ENGINE_GAUGES = {
         "hicache_storage_prefetch_tokens",
         "tokens prefetched from storage into the host tier",
     ),
+    "storage_prefetch_skipped_pages": (
+        "hicache_storage_prefetch_skipped_pages",
+        "pages a prefetch did not read: beyond the room the host tier could make for them",
+    ),
+    "storage_prefetch_unlanded_pages": (
+        "hicache_storage_prefetch_unlanded_pages",
+        "pages read from storage but not landed: the host tier's room was gone when they came",
+    ),
     "storage_bytes_read": ("hicache_storage_bytes_read", "KV bytes read from the storage tier"),
     "storage_bytes_written": (
         "hicache_storage_bytes_written",
