@@ -234,3 +234,22 @@ def test_a_client_that_leaves_mid_stream_frees_both_sides(fleet):
         conn.close()
         assert p.result().status == 200
     _check_clean(prefill, decode)
+
+
+def test_output_logprobs_match_the_aggregated_engine(fleet):
+    prefill, decode, agg, boot = fleet
+    body = {"text": PROMPTS[2], "return_logprob": True, "top_logprobs_num": 2,
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0}}  # fmt: skip
+    want = agg.post("/generate", body).json()["meta_info"]
+    _, d = _both(prefill, decode, "/generate", body, boot)
+    got = d.json()["meta_info"]
+    # the first token's logprob was computed by the prefill engine and sent with it
+    assert [t[1] for t in got["output_token_logprobs"]] == [
+        t[1] for t in want["output_token_logprobs"]
+    ]
+    for g, w in zip(got["output_token_logprobs"], want["output_token_logprobs"]):
+        assert abs(g[0] - w[0]) < 1e-4
+    for g, w in zip(got["output_top_logprobs"], want["output_top_logprobs"]):
+        assert [t[1] for t in g] == [t[1] for t in w]
+        assert all(abs(a[0] - b[0]) < 1e-4 for a, b in zip(g, w))
+    _check_clean(prefill, decode)
