@@ -253,3 +253,18 @@ def test_output_logprobs_match_the_aggregated_engine(fleet):
         assert [t[1] for t in g] == [t[1] for t in w]
         assert all(abs(a[0] - b[0]) < 1e-4 for a, b in zip(g, w))
     _check_clean(prefill, decode)
+
+
+def test_input_logprobs_merged_as_a_pd_router_merges_them(fleet):
+    prefill, decode, agg, boot = fleet
+    body = {"text": PROMPTS[0], "return_logprob": True, "logprob_start_len": 0,
+            "sampling_params": {"max_new_tokens": 3, "temperature": 0}}  # fmt: skip
+    want = agg.post("/generate", body).json()["meta_info"]["input_token_logprobs"]
+    p, d = _both(prefill, decode, "/generate", body, boot)
+    merged = (p.json()["meta_info"]["input_token_logprobs"]
+              + d.json()["meta_info"]["input_token_logprobs"])  # fmt: skip
+    assert [t[1] for t in merged] == [t[1] for t in want]
+    for g, w in zip(merged, want):
+        assert (g[0] is None) == (w[0] is None)
+        assert g[0] is None or abs(g[0] - w[0]) < 1e-4
+    _check_clean(prefill, decode)

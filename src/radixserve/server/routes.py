@@ -268,7 +268,10 @@ async def _generate(
     gen = state.start(inputs, start)
     text = state.token_text if body.return_text_in_logprobs else None
     for c, inp in zip(gen.choices, inputs):
-        c.prompt_ids = list(inp.input_ids or []) if inp.sampling.return_logprob else []
+        # a decode engine computed no prompt: its input logprobs are the prefill engine's,
+        # which a PD router puts in front of these (SGLang's merge), so it adds none
+        asked = inp.sampling.return_logprob and state.tm.pd_mode != "decode"
+        c.prompt_ids = list(inp.input_ids or []) if asked else []
 
     def result(c: Choice) -> dict[str, Any]:
         out = generate_body(c, batch)
