@@ -98,19 +98,28 @@ class RedisIndexReader(BlockIndex):
 
     async def _lookup(self, token_ids: Sequence[int], namespace: str) -> dict[Hashable, int]:
         now = asyncio.get_running_loop().time()
-        if now - self.table_at > TABLE_REFRESH_S:  # workers and block sizes, once a second
+        # workers and block sizes, once a second; at every lookup while none is registered
+        # (a Redis restarted empty, the kv-indexer writing it again)
+        if not self.table or now - self.table_at > TABLE_REFRESH_S:
             self.table, self.table_at = await self.store.workers(), now
-        sizes = sorted({e.block_size for e in self.table.values() if e.block_size > 0})
-        blobs = [key_blob(block_keys(token_ids, bs, namespace)) for bs in sizes]
-        depths = await self.store.lookup(blobs)  # the client's socket timeout bounds it
+        depths = await self._depths(token_ids, namespace)
+        if any(url not in self.table or self.table[url].block_size <= 0 for url in depths):
+            # a worker registered (or sized) since the table was read: read it now, or this
+            # request would count a worker the index knows as holding nothing
+            self.table, self.table_at = await self.store.workers(), now
+            depths = await self._depths(token_ids, namespace)
         out: dict[Hashable, int] = {}
         for url, entry in self.table.items():
             wid = self.resolve(url)
             if wid is not None and entry.block_size > 0:  # registered: known, even with 0 hits
                 out[wid] = depths.get(url, 0) * entry.block_size
-        if any(url not in self.table for url in depths):
-            self.table_at = -math.inf  # a worker registered since: read the table next time
         return out
+
+    async def _depths(self, token_ids: Sequence[int], namespace: str) -> dict[str, int]:
+        """Longest held prefix in blocks per worker URL, at every block size the table lists."""
+        sizes = sorted({e.block_size for e in self.table.values() if e.block_size > 0})
+        blobs = [key_blob(block_keys(token_ids, bs, namespace)) for bs in sizes]
+        return await self.store.lookup(blobs)  # the client's socket timeout bounds it
 
     def metric_samples(self) -> list[tuple[str, str, str, float]]:
         """(name, kind, help, value) for the router's /metrics; the lookup time is a summary
