@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import subprocess
 import sys
@@ -160,6 +161,8 @@ class WorkerConn(asyncio.Protocol):
         if path == "/fake/load":  # what /get_server_info reports as the engine's stats
             eng.stats = json.loads(body)
             return 200, {}
+        if path.startswith("/v1/messages"):  # the body as received, to compare with the sent
+            return 200, {"worker": eng.name, "body_sha256": hashlib.sha256(body).hexdigest()}
         if path == "/flush_cache":
             eng.blocks.clear()
             return 200, {"message": "Cache flushed"}
@@ -193,7 +196,8 @@ class WorkerConn(asyncio.Protocol):
         else:
             text = "".join(eng.tokens(req))
             self.reply(200, {**eng.final(path, req, text, prompt, cached),
-                             "request_id": self.rid.decode()})  # fmt: skip
+                             "request_id": self.rid.decode(),
+                             "body_sha256": hashlib.sha256(body).hexdigest()})  # fmt: skip
 
     async def later(self, path: str, req: dict, prompt: str, cached: int) -> None:
         """A non-streamed answer after as long as generating its tokens would take."""

@@ -89,7 +89,10 @@ class SimTokenizer:
         return (" " + render_text(ids)) if ids else ""
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        **extra: Any,  # no template: its variables have nowhere to go
     ) -> str:
         text = " ".join(f"{m.get('role', 'user')}: {m.get('content') or ''}" for m in messages)
         return text + (" assistant:" if add_generation_prompt else "")

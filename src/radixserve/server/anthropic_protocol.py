@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from radixserve.chat.anthropic import chat_messages, chat_tools
 from radixserve.server.errors import ApiError
 from radixserve.server.protocol import TopK, unsupported
 
@@ -168,16 +169,15 @@ BODIES = (MessagesRequest, CountTokensRequest)  # their schemas go into the Open
 
 # -- the request as a chat completion ----------------------------------------------------------
 def chat_request(body: _Prompt) -> dict[str, Any]:
-    """The OpenAI chat request (as JSON) that renders and samples ``body`` the same way."""
-    out: dict[str, Any] = {"model": body.model, "messages": _system(body.system)}
+    """The OpenAI chat request (as JSON) that renders and samples ``body`` the same way: its
+    prompt through radixserve.chat's translation, which the router renders with too."""
     _check_links(body.messages)
-    for m in body.messages:
-        if m.role == "system":  # a system turn between others (text only)
-            out["messages"].append({"role": "system", "content": _system_text(m.content)})
-        else:
-            out["messages"] += _user(m.content) if m.role == "user" else [_assistant(m.content)]
+    _check_blocks(body)
+    messages = [m.model_dump() for m in body.messages]
+    out: dict[str, Any] = {"model": body.model, "messages": chat_messages(_system(body.system),
+                                                                          messages)}  # fmt: skip
     if body.tools:
-        out["tools"] = [_tool(t) for t in body.tools]
+        out["tools"] = chat_tools([t.model_dump() for t in body.tools])
     if body.tool_choice is not None:
         out |= _tool_choice(body.tool_choice)
     fmt = body.output_config.format if body.output_config else None
@@ -191,54 +191,22 @@ def chat_request(body: _Prompt) -> dict[str, Any]:
     return out
 
 
-def _system(system: str | list[TextBlock] | None) -> list[dict[str, Any]]:
-    if system is None:
-        return []
-    text = system if isinstance(system, str) else "\n".join(b.text for b in system)
-    return [{"role": "system", "content": text}]
+def _system(system: str | list[TextBlock] | None) -> str | None:
+    return (
+        system if system is None or isinstance(system, str) else "\n".join(b.text for b in system)
+    )
 
 
-def _system_text(content: str | list[Any]) -> str:
-    for b in content if isinstance(content, list) else []:
-        if not isinstance(b, TextBlock):
-            _refuse_block(b, "system")
-    return _text(content)
+ALLOWED = {"system": (TextBlock,), "user": (TextBlock, ToolResultBlock),
+           "assistant": (TextBlock, ToolUseBlock, ThinkingBlock)}  # fmt: skip
+"""The content blocks each role's message may hold."""
 
 
-def _text(content: str | list[TextBlock]) -> str:
-    return content if isinstance(content, str) else "\n".join(b.text for b in content)
-
-
-def _user(content: str | list[Any]) -> list[dict[str, Any]]:
-    """A user turn: its tool results as tool messages first, then its text (if any)."""
-    if isinstance(content, str):
-        return [{"role": "user", "content": content}]
-    out, texts = [], []
-    for b in content:
-        if isinstance(b, ToolResultBlock):
-            result = ("Error: " if b.is_error else "") + _text(b.content)
-            out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": result})
-        elif isinstance(b, TextBlock):
-            texts.append(b.text)
-        else:
-            _refuse_block(b, "user")
-    return out + ([{"role": "user", "content": "\n".join(texts)}] if texts else [])
-
-
-def _assistant(content: str | list[Any]) -> dict[str, Any]:
-    if isinstance(content, str):
-        return {"role": "assistant", "content": content}
-    texts, calls = [], []
-    for b in content:
-        if isinstance(b, TextBlock):
-            texts.append(b.text)
-        elif isinstance(b, ToolUseBlock):
-            calls.append({"id": b.id, "type": "function",
-                          "function": {"name": b.name, "arguments": json.dumps(b.input)}})  # fmt: skip
-        elif not isinstance(b, ThinkingBlock):
-            _refuse_block(b, "assistant")
-    out: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts) if texts else None}
-    return out | {"tool_calls": calls} if calls else out
+def _check_blocks(body: _Prompt) -> None:
+    for m in body.messages:
+        for b in m.content if isinstance(m.content, list) else []:
+            if not isinstance(b, ALLOWED[m.role]):
+                _refuse_block(b, m.role)
 
 
 def _refuse_block(b: Any, role: str) -> None:
@@ -258,13 +226,6 @@ def _check_links(messages: list[MessageParam]) -> None:
                 raise ApiError(400, f"tool_use_id {b.tool_use_id!r} names no tool_use block of "
                                "an earlier assistant message",
                                param=f"messages.{i}.content.{j}.tool_use_id")  # fmt: skip
-
-
-def _tool(t: ToolParam) -> dict[str, Any]:
-    fn: dict[str, Any] = {"name": t.name, "parameters": t.input_schema}
-    fn |= {"strict": True} if t.strict else {}
-    return {"type": "function", "function": fn | ({"description": t.description}
-                                                  if t.description else {})}  # fmt: skip
 
 
 def _tool_choice(choice: ToolChoice) -> dict[str, Any]:

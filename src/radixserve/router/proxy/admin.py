@@ -56,7 +56,8 @@ class AdminHost(Protocol):
     def _authorized(req: Request, key: str | None, conn: ClientConn) -> bool: ...
 
 
-INFERENCE = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
+INFERENCE = frozenset({"/generate", "/v1/completions", "/v1/chat/completions", "/v1/messages",
+                       "/v1/messages/count_tokens"})  # fmt: skip
 OPEN = frozenset({"/health", "/readiness", "/liveness", "/get_loads", "/metrics"})
 Handler = Callable[[Request], Awaitable[tuple[int, object]]]
 

@@ -27,7 +27,7 @@ from radixserve.router.proxy.config import RouterConfig
 from radixserve.router.proxy.connections import ClientConn, Request, error_body
 from radixserve.router.proxy.kv_setup import KvRouting, open_kv_index
 from radixserve.router.proxy.metrics import BUCKETS, metrics_registry
-from radixserve.router.proxy.request_body import request_view
+from radixserve.router.proxy.request_body import request_view, routed_payload
 from radixserve.router.proxy.worker_kinds import WorkerKinds, http_get
 from radixserve.router.proxy.workers import (
     Headers,
@@ -248,7 +248,7 @@ class Router(Endpoints):
         """Route, forward and relay one inference request, retrying elsewhere while nothing
         has reached the client yet and the failure is one worth retrying."""
         try:
-            view = await self._request_view(req.body)
+            view = await self._request_view(req.body, req.path)
         except (ValueError, TypeError, AttributeError) as exc:
             conn.send_json(400, error_body(400, f"request body is not a JSON object: {exc}"))
             return
@@ -276,7 +276,7 @@ class Router(Endpoints):
                 break
         self.fail(conn, tried, failure.status if tried else 503)
 
-    async def _request_view(self, body: bytes) -> RequestView:
+    async def _request_view(self, body: bytes, path: str = "") -> RequestView:
         """The routing view of a request body; with kv_aware, the prompt's token ids too.
         Long prompts are tokenized in the tokenizing threads while the loop serves other
         requests (the tokenizer releases the GIL), big bodies parsed in a thread; a tokenizer
@@ -284,7 +284,9 @@ class Router(Endpoints):
         kv, pool = self.kv, self._tokenizing
         if kv is not None and kv.tokenizer is not None and pool is not None:
             if len(body) > TOKENIZE_INLINE:
-                job = asyncio.get_running_loop().run_in_executor(pool, self._parse, body, True)
+                job = asyncio.get_running_loop().run_in_executor(
+                    pool, self._parse, body, True, path
+                )
                 try:
                     view, failed = await asyncio.wait_for(job, TOKENIZE_TIMEOUT_SECS)
                 except TimeoutError:
@@ -294,24 +296,25 @@ class Router(Endpoints):
                         log.warning("tokenizing a prompt of %d bytes took over %.0f s (%d so "
                                     "far): routed without its token ids", len(body),
                                     TOKENIZE_TIMEOUT_SECS, kv.tokenize_timeouts)  # fmt: skip
-                    view, failed = await self._parsed(body, False)
+                    view, failed = await self._parsed(body, False, path)
                 kv.tokenize_errors += failed
                 return view
-        view, failed = await self._parsed(body, True)
+        view, failed = await self._parsed(body, True, path)
         if kv is not None:
             kv.tokenize_errors += failed
         return view
 
-    async def _parsed(self, body: bytes, tokenize: bool) -> tuple[RequestView, bool]:
+    async def _parsed(self, body: bytes, tokenize: bool, path: str) -> tuple[RequestView, bool]:
         """_parse on the loop, or in a thread for a big body."""
         if len(body) > PARSE_INLINE:
-            return await asyncio.to_thread(self._parse, body, tokenize)
-        return self._parse(body, tokenize)
+            return await asyncio.to_thread(self._parse, body, tokenize, path)
+        return self._parse(body, tokenize, path)
 
-    def _parse(self, body: bytes, tokenize: bool) -> tuple[RequestView, bool]:
-        """(the routing view of a request body, with kv_aware and `tokenize` the prompt's token
-        ids; whether the tokenizer failed). Changes no state: it runs in threads too."""
-        payload = loads(body)
+    def _parse(self, body: bytes, tokenize: bool, path: str = "") -> tuple[RequestView, bool]:
+        """(the routing view of a request body sent to `path`, with kv_aware and `tokenize` the
+        prompt's token ids; whether the tokenizer failed). Changes no state: it runs in threads
+        too. A /v1/messages body is read as the chat it renders as; it is forwarded as sent."""
+        payload = routed_payload(loads(body), path)
         view = request_view(payload)
         if self.kv is None or not tokenize:
             return view, False

@@ -11,6 +11,8 @@ import os
 from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+from radixserve.chat.prompt import ChatError, template_inputs
+from radixserve.chat.tool_parsers import get_tool_parser, parser_for_template
 from radixserve.router.kvindex.subscriber import EventPlane
 from radixserve.router.policies.base import RequestView, RouterPolicy
 from radixserve.router.policies.kv_aware import KvAwarePolicy
@@ -35,7 +37,10 @@ Fetch = Callable[[str], Awaitable[dict[str, Any] | None]]
 class Tokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        **extra: Any,
     ) -> str: ...
     def fingerprint(self) -> str: ...
 
@@ -79,19 +84,34 @@ def render_chat(tok: Tokenizer, prompt: Prompt) -> str | None:
     end of turn, no generation prompt), found by rendering it with a marker appended and
     cutting there (trailing spaces too where the template trims the content; an empty last
     message leaves its turn's header open, as vLLM renders it). None where the worker refuses
-    the request (the template drops the last message)."""
-    messages = prompt.messages or []
+    the request (the template drops the last message, or cannot render its tools)."""
+    try:
+        messages, extra = chat_inputs(tok, prompt)
+    except ChatError:
+        return None
     if not prompt.continue_final_message:
-        return tok.apply_chat_template(messages, prompt.add_generation_prompt)
+        return tok.apply_chat_template(messages, prompt.add_generation_prompt, **extra)
     last = messages[-1]
     marked = [*messages[:-1], {**last, "content": last["content"] + CONTINUE_TAG}]
-    text = tok.apply_chat_template(marked, False)
+    text = tok.apply_chat_template(marked, False, **extra)
     at = text.rfind(CONTINUE_TAG.strip())
     if at < 0 or last["content"].strip() not in text:
         return None
     if text[at : at + len(CONTINUE_TAG)] == CONTINUE_TAG:
         return text[:at]
     return text[:at].rstrip()
+
+
+def chat_inputs(tok: Tokenizer, prompt: Prompt) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The messages and template variables (tools, chat_template_kwargs) the engine renders
+    the chat with, through the same pure code (radixserve.chat): tools in the template where it
+    knows them, else in the default form of the tool-call format the template implies (the
+    server's --tool-call-parser auto)."""
+    template = getattr(tok, "chat_template", None)
+    name = parser_for_template(template)
+    parser = get_tool_parser(name) if name else None
+    return template_inputs(prompt.messages or [], prompt.tools, template, parser,
+                           prompt.template_kwargs)  # fmt: skip
 
 
 class KvRouting:
