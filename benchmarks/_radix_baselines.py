@@ -58,6 +58,7 @@ class SGLangUnified:
     for giving the slots back to our allocator (a conservative comparison for us)."""
 
     name = "SGLang"
+    core = "rust"  # its tree core (SGLang's default; CacheInitParams.tree_core_backend)
 
     def __init__(self, capacity: int) -> None:
         import torch
@@ -80,7 +81,8 @@ class SGLangUnified:
         reqs = ReqToTokenPool(size=4, max_context_len=16, device="cpu", enable_memory_saver=False)
         params = CacheInitParams(disable=False, req_to_token_pool=reqs,
                                  token_to_kv_pool_allocator=self.alloc, page_size=1,
-                                 tree_components=(ComponentType.FULL,), eviction_policy="lru")  # fmt: skip
+                                 tree_components=(ComponentType.FULL,), eviction_policy="lru",
+                                 tree_core_backend=self.core)  # fmt: skip
         self.cache = UnifiedRadixCache(params=params)
         self.freed: list[Any] = []
         self.alloc.free = self.freed.append  # type: ignore[method-assign]
@@ -102,6 +104,12 @@ class SGLangUnified:
     def evict(self, num_tokens: int) -> int:
         got = self.cache.evict(self._bpc.EvictParams(num_tokens=num_tokens))
         return got.num_tokens_evicted
+
+
+class SGLangPython(SGLangUnified):
+    """The same UnifiedRadixCache on SGLang's pure-Python tree core."""
+
+    core = "python"
 
 
 def sglang_status() -> str | None:

@@ -14,8 +14,11 @@ instead (a caller that never converted: what radixserve's scheduler passed befor
 Ours is the tree with host-tier support (issue 27) and no tier configured, as SGLang's is
 without HiCache. The baseline is SGLang's ``UnifiedRadixCache`` on its Rust tree core
 (``rust_tree_core``), measured in the same process, each repeat running the systems back to back on identical trees
-(see benchmarks/_radix_baselines.py); without sglang, a plain pure-Python radix tree. Median of
---repeats; CPU time by default, as the machine may be shared (--clock wall for elapsed time).
+(see benchmarks/_radix_baselines.py), and beside it the same cache on SGLang's pure-Python tree
+core (the "py" columns); without sglang, a plain pure-Python radix tree. Our median of --repeats
+with its min-max (the spread: evicting 100 long leaves moves megabytes, so it follows the
+machine's memory traffic), the baselines' medians; CPU time by default, as the machine may be
+shared (--clock wall for elapsed time).
 
     python benchmarks/radix_bench.py [--repeats 5] [--lengths 2000 8000] [--clock cpu|wall]
 """
@@ -32,7 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 from _machine import machine_line
-from _radix_baselines import Loop, Ours, SGLangUnified, sglang_status
+from _radix_baselines import Loop, Ours, SGLangPython, SGLangUnified, sglang_status
 
 GROUPS, PER_GROUP = 10, 100
 VOCAB = (257, 32000)  # CPython caches the ints -5..256; real token ids are mostly larger
@@ -138,9 +141,9 @@ class Plan:
 
 def measure(
     factories: dict[str, Callable[[int], Any]], length: int, repeats: int, clock: Callable
-) -> dict[str, dict[str, float]]:
-    """Median calls/s of every op for every system; each repeat runs the systems back to back
-    (alternating which goes first), so a noisy neighbour slows them alike."""
+) -> dict[str, dict[str, list[float]]]:
+    """Calls/s of every op for every system, one per repeat; each repeat runs the systems
+    back to back (rotating which goes first), so a noisy neighbour slows them alike."""
     rng = random.Random(length)
     seqs = make_sequences(length, rng)
     queries = make_queries(seqs, rng)
@@ -150,7 +153,7 @@ def measure(
     names = list(plans)
     for op in ops[names[0]]:
         for rep in range(repeats):
-            for name in names[rep % 2 :] + names[: rep % 2]:
+            for name in names[rep % len(names) :] + names[: rep % len(names)]:
                 row = ops[name][op]
                 if row is None:
                     continue
@@ -161,7 +164,7 @@ def measure(
                 calls = run(state)
                 rates[name].setdefault(op, []).append(calls / (clock() - t0))
                 del state
-    return {n: {op: statistics.median(r) for op, r in o.items()} for n, o in rates.items()}
+    return rates
 
 
 def main() -> None:
@@ -181,22 +184,34 @@ def main() -> None:
     if why is None:
         import sglang
 
-        factories["base"] = SGLangUnified
-        base = f"SGLang {sglang.__version__} UnifiedRadixCache (Rust tree core)"
+        factories["base"], factories["py"] = SGLangUnified, SGLangPython
+        base = (
+            f"SGLang {sglang.__version__} UnifiedRadixCache, Rust tree core (base) and Python (py)"
+        )
     elif args.sglang == "on":
         raise SystemExit(f"--sglang on: {why}")
     else:
         factories["base"] = Loop
         base = f"a pure-Python radix tree ({why})"
     print(f"baseline, same process and repeats: {base}")
-    print(f"{'op':<18} {'L':>5} {'calls/s':>11} {'Mtok/s':>8} {'baseline/s':>11} {'ratio':>7}")
+    print(f"{'op':<18} {'L':>5} {'calls/s':>11} {'min-max':>17} {'Mtok/s':>8} {'baseline/s':>11} "
+          f"{'ratio':>7} {'py/s':>9} {'vs py':>6}")  # fmt: skip
     for length in args.lengths:
         got = measure(factories, length, args.repeats, CLOCKS[args.clock])
-        for op, r in got["ours"].items():
-            ref = got["base"].get(op)
-            tok = r * (length if "hit" in op or "insert" in op or "miss" in op else 0) / 1e6
-            ref_s, vs = (f"{ref:,.0f}", f"{r / ref:.2f}x") if ref else ("-", "-")
-            print(f"{op:<18} {length:>5} {r:>11,.0f} {tok:>8.1f} {ref_s:>11} {vs:>7}")
+        for op, rs in got["ours"].items():
+            print(row(op, length, rs, got["base"].get(op), got.get("py", {}).get(op)))
+
+
+def row(op: str, length: int, ours: list[float], base: list[float] | None,
+        py: list[float] | None) -> str:  # fmt: skip
+    """One op's line: our median calls/s and its spread, and the ratios to the baselines'."""
+    r = statistics.median(ours)
+    tok = r * (length if "hit" in op or "insert" in op or "miss" in op else 0) / 1e6
+    out = f"{op:<18} {length:>5} {r:>11,.0f} {min(ours):>8,.0f}-{max(ours):<8,.0f} {tok:>8.1f}"
+    for rates, width in ((base, 11), (py, 9)):
+        ref = statistics.median(rates) if rates else None
+        out += f" {ref:>{width},.0f} {r / ref:>6.2f}x" if ref else f" {'-':>{width}} {'-':>7}"
+    return out
 
 
 if __name__ == "__main__":
