@@ -20,7 +20,7 @@ with its min-max (the spread: evicting 100 long leaves moves megabytes, so it fo
 machine's memory traffic), the baselines' medians; CPU time by default, as the machine may be
 shared (--clock wall for elapsed time).
 
-    python benchmarks/radix_bench.py [--repeats 5] [--lengths 2000 8000] [--clock cpu|wall]
+    python benchmarks/radix_bench.py [--repeats 5] [--lengths 2000 8000] [--clock cpu|wall] [--ops evict]
 """
 
 from __future__ import annotations
@@ -140,7 +140,11 @@ class Plan:
 
 
 def measure(
-    factories: dict[str, Callable[[int], Any]], length: int, repeats: int, clock: Callable
+    factories: dict[str, Callable[[int], Any]],
+    length: int,
+    repeats: int,
+    clock: Callable,
+    only: list[str] | None = None,
 ) -> dict[str, dict[str, list[float]]]:
     """Calls/s of every op for every system, one per repeat; each repeat runs the systems
     back to back (rotating which goes first), so a noisy neighbour slows them alike."""
@@ -151,7 +155,7 @@ def measure(
     ops = {name: plan.ops() for name, plan in plans.items()}
     rates: dict[str, dict[str, list[float]]] = {name: {} for name in plans}
     names = list(plans)
-    for op in ops[names[0]]:
+    for op in [o for o in ops[names[0]] if not only or any(w in o for w in only)]:
         for rep in range(repeats):
             for name in names[rep % len(names) :] + names[: rep % len(names)]:
                 row = ops[name][op]
@@ -175,6 +179,9 @@ def main() -> None:
                     help="cpu: this process's CPU time (steady on a shared machine); wall: elapsed")  # fmt: skip
     ap.add_argument("--sglang", choices=["auto", "on", "off"], default="auto",
                     help="run SGLang's UnifiedRadixCache side by side (auto: when it imports)")  # fmt: skip
+    ap.add_argument(
+        "--ops", nargs="+", metavar="OP", help="only the rows whose name has one of these"
+    )
     args = ap.parse_args()
     print(machine_line())
     print(f"workload: {GROUPS} groups x {PER_GROUP} sequences of L tokens, L/2 shared per group; "
@@ -197,7 +204,7 @@ def main() -> None:
     print(f"{'op':<18} {'L':>5} {'calls/s':>11} {'min-max':>17} {'Mtok/s':>8} {'baseline/s':>11} "
           f"{'ratio':>7} {'py/s':>9} {'vs py':>6}")  # fmt: skip
     for length in args.lengths:
-        got = measure(factories, length, args.repeats, CLOCKS[args.clock])
+        got = measure(factories, length, args.repeats, CLOCKS[args.clock], args.ops)
         for op, rs in got["ours"].items():
             print(row(op, length, rs, got["base"].get(op), got.get("py", {}).get(op)))
 
