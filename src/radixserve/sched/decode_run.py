@@ -34,8 +34,10 @@ def run_length(
         left = n if left is None or n < left else left
     # a step retracts only when the free slots and all that eviction can free fall short of
     # its new pages, so the run is as long as the pages of its steps fit in kv.room()
-    rooms, room = page_rooms(running, kv), kv.room()
     hi = left - 1  # type: ignore[operator]
+    if kv.allocator.available() >= len(running.decoding) * (hi + kv.page):
+        return max(hi, 0)  # free slots alone hold every page the run can take
+    rooms, room = page_rooms(running, kv), kv.room()
     if hi <= 0 or run_need(rooms, kv.page, hi) <= room:
         return max(hi, 0)
     lo = 0  # run_need(0) == 0: fits

@@ -249,13 +249,16 @@ class Scheduler:
     def begin_decode_run(self, steps: int) -> None:
         """Book ``steps`` (at most ``decode_run_length()``) and begin the first: its eviction,
         if it makes one, is made now; ``decode_run_begun`` begins later ones."""
+        if self.kv.allocator.available() >= len(self.running.decoding) * (steps + self.kv.page):
+            return  # more free slots than any run of this length takes: it evicts nothing
         self._run = RunEvictions(self.running, self.kv, steps)
         self.run_evictions += self._run.begin(1)
 
     def decode_run_begun(self, steps: int) -> int | None:
         """The booked run's first ``steps`` steps have begun: the tree loses what they evict.
         Returns the next step that will evict (None: none)."""
-        assert self._run is not None, "no decode run booked"
+        if self._run is None:  # a run that evicts nothing
+            return None
         self.run_evictions += self._run.begin(steps)
         return self._run.next_step()
 
