@@ -43,6 +43,17 @@ def template_inputs(
     return default_form(messages, tools or [], parser), extra
 
 
+def transformers_inputs(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+    kwargs: dict[str, Any] | None = None,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # fmt: skip
+    """What vLLM and SGLang hand the template (transformers' apply_chat_template): the messages
+    with past calls' arguments as objects, ``tools`` and the kwargs as variables, whether or not
+    the template renders them (a template that knows no tools drops them)."""
+    extra = dict(kwargs or {}) | ({"tools": tools} if tools else {})
+    return [_for_template(m, i) for i, m in enumerate(messages)], extra
+
+
 def _check_links(messages: list[dict[str, Any]]) -> None:
     """A tool message's ``tool_call_id`` must name a call of an earlier assistant message."""
     ids: set[str] = set()

@@ -4,6 +4,7 @@ computes; and two agents sharing a long tool list land on the worker that holds 
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import http.client
 import json
@@ -12,7 +13,9 @@ import pytest
 
 pytest.importorskip("httptools")
 
-from radixserve.router.proxy.kv_setup import load_tokenizer, prompt_ids  # noqa: E402
+from radixserve.router.policies.base import RequestView  # noqa: E402
+from radixserve.router.policies.kv_aware import KvAwarePolicy  # noqa: E402
+from radixserve.router.proxy.kv_setup import KvRouting, load_tokenizer, prompt_ids  # noqa: E402
 from radixserve.router.proxy.request_body import routed_payload  # noqa: E402
 from server_harness import ServerProcess  # noqa: E402
 from test_router_app import FakeWorker, RouterThread  # noqa: E402
@@ -149,3 +152,22 @@ def test_agents_sharing_a_tool_list_go_to_the_worker_holding_it():
     finally:
         for p in reversed(procs):
             p.stop()
+
+
+def test_behind_vllm_workers_a_chat_is_rendered_as_vllm_renders_it():
+    """SmolLM2's template renders no tools: vLLM hands them to it all the same (so they are
+    dropped), radixserve lists them in a system turn. A router admitting a vLLM worker renders
+    as vLLM (its /tokenize agrees: test_router_vllm.py)."""
+    tok = load_tokenizer("built-in:SmolLM2-135M")
+    plain = {**CHATS[0], "tools": None}
+    assert prompt_ids(CHATS[0], tok, "vllm") == prompt_ids(plain, tok, "vllm")
+    kv = KvRouting(KvAwarePolicy(), subscribe=False)
+    kv._adopt(tok)
+
+    async def fetch(path: str) -> None:
+        return None
+
+    view = RequestView.from_prompt(None, None, "m", "", "")
+    assert kv.tokenized(CHATS[0], view)[0].token_ids == prompt_ids(CHATS[0], tok)
+    assert asyncio.run(kv.admit("w0", "http://w0", fetch, "vllm"))
+    assert kv.tokenized(CHATS[0], view)[0].token_ids == prompt_ids(plain, tok)

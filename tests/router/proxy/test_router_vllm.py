@@ -14,6 +14,7 @@ from typing import NamedTuple
 import pytest
 
 from radixserve.router.proxy.kv_setup import load_tokenizer, prompt_ids
+from test_router_agents import CHATS as TOOL_CHATS
 from test_router_fleet import RouterProc
 from test_router_request_body import CHAT_CORPUS
 from vllm_harness import VllmServer, vllm_model_dir, vllm_python
@@ -211,6 +212,19 @@ def test_chat_and_completion_ids_match_vllms_tokenize(vllm_pair):
         status, reply = a.request("POST", "/tokenize", {"model": "smollm2", **body})
         assert status == 200, reply
         assert prompt_ids(body, tok) == json.loads(reply)["tokens"], body
+
+
+def test_chats_with_tools_match_vllms_tokenize(vllm_pair):
+    """Behind vLLM workers the router renders a chat with tools as vLLM does (transformers'
+    form: tools and past calls' arguments handed to the template): vLLM's POST /tokenize with
+    `messages` and `tools` gives the router's ids, past tool calls and results included."""
+    a = vllm_pair[0]
+    tok = load_tokenizer(json.loads(a.get("/v1/models")[1])["data"][0]["root"])
+    for body in TOOL_CHATS:
+        sent = {"model": "smollm2", "messages": body["messages"], "tools": body["tools"]}
+        status, reply = a.request("POST", "/tokenize", sent)
+        assert status == 200, reply
+        assert prompt_ids(body, tok, "vllm") == json.loads(reply)["tokens"], body
 
 
 def hit_rate(servers, run) -> float:

@@ -155,7 +155,8 @@ class Router(Endpoints):
         if self.kv is None:
             return True
         fetch = self.kinds.adapter(worker.id, worker.url, get)
-        if await self.kv.admit(worker.id, worker.url, fetch):
+        kind = await self.kinds.identify(worker.id, worker.url, get)
+        if await self.kv.admit(worker.id, worker.url, fetch, kind):
             return True
         self.registry.remove(worker)
         self.kinds.forget(worker.id)

@@ -11,7 +11,7 @@ import os
 from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from radixserve.chat.prompt import ChatError, template_inputs
+from radixserve.chat.prompt import ChatError, template_inputs, transformers_inputs
 from radixserve.chat.tool_parsers import get_tool_parser, parser_for_template
 from radixserve.router.kvindex.subscriber import EventPlane
 from radixserve.router.policies.base import RequestView, RouterPolicy
@@ -60,7 +60,9 @@ def load_tokenizer(path: str, vocab_size: int | None = None) -> Tokenizer:
     return load_info(ModelConfig(model=model))
 
 
-def prompt_ids(payload: dict[str, Any], tok: Tokenizer) -> list[int] | None:
+def prompt_ids(
+    payload: dict[str, Any], tok: Tokenizer, engine: str = "radixserve"
+) -> list[int] | None:
     """The token ids a worker computes for this request body, as the engine's tokenizer
     manager does: token ids as they are, chat messages through the chat template (no special
     tokens added), text encoded with them. None when the body has no prompt the router can
@@ -69,7 +71,7 @@ def prompt_ids(payload: dict[str, Any], tok: Tokenizer) -> list[int] | None:
     if prompt.ids is not None:
         return prompt.ids
     if prompt.messages is not None:
-        text = render_chat(tok, prompt)
+        text = render_chat(tok, prompt, engine)
         return None if text is None else tok.encode(text, add_special_tokens=False)
     return tok.encode(prompt.text) if prompt.text else None
 
@@ -78,7 +80,7 @@ CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 """Appended to the last message to find where its content ends in the rendered chat."""
 
 
-def render_chat(tok: Tokenizer, prompt: Prompt) -> str | None:
+def render_chat(tok: Tokenizer, prompt: Prompt, engine: str = "radixserve") -> str | None:
     """A chat prompt as text, as vLLM renders it (through HF transformers' apply_chat_template):
     with ``continue_final_message`` the text ends right after the last message's content (no
     end of turn, no generation prompt), found by rendering it with a marker appended and
@@ -86,7 +88,7 @@ def render_chat(tok: Tokenizer, prompt: Prompt) -> str | None:
     message leaves its turn's header open, as vLLM renders it). None where the worker refuses
     the request (the template drops the last message, or cannot render its tools)."""
     try:
-        messages, extra = chat_inputs(tok, prompt)
+        messages, extra = chat_inputs(tok, prompt, engine)
     except ChatError:
         return None
     if not prompt.continue_final_message:
@@ -102,11 +104,16 @@ def render_chat(tok: Tokenizer, prompt: Prompt) -> str | None:
     return text[:at].rstrip()
 
 
-def chat_inputs(tok: Tokenizer, prompt: Prompt) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """The messages and template variables (tools, chat_template_kwargs) the engine renders
-    the chat with, through the same pure code (radixserve.chat): tools in the template where it
-    knows them, else in the default form of the tool-call format the template implies (the
-    server's --tool-call-parser auto)."""
+def chat_inputs(
+    tok: Tokenizer, prompt: Prompt, engine: str = "radixserve"
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The messages and template variables (tools, chat_template_kwargs) the workers render
+    the chat with, through the same pure code (radixserve.chat): on radixserve, tools in the
+    template where it knows them, else in the default form of the tool-call format the template
+    implies (the server's --tool-call-parser auto); on vLLM or SGLang (`engine`), as
+    transformers hands them to the template."""
+    if engine != "radixserve":
+        return transformers_inputs(prompt.messages or [], prompt.tools, prompt.template_kwargs)
     template = getattr(tok, "chat_template", None)
     name = parser_for_template(template)
     parser = get_tool_parser(name) if name else None
@@ -135,6 +142,7 @@ class KvRouting:
         self.refused: dict[str, str] = {}  # worker url -> why
         self.tokenize_errors = 0
         self.tokenize_timeouts = 0  # prompts routed untokenized: the tokenizer took too long
+        self.engine = "radixserve"  # whose chat rendering (tools) the workers follow
         if tokenizer_path:
             self._adopt(load_tokenizer(tokenizer_path))
 
@@ -142,9 +150,12 @@ class KvRouting:
         self.tokenizer, self.fingerprint = tok, tok.fingerprint()
         log.info("kv_aware tokenizes with %s", self.fingerprint)
 
-    async def admit(self, worker_id: str, url: str, fetch: Fetch) -> bool:
+    async def admit(self, worker_id: str, url: str, fetch: Fetch, kind: str | None = None) -> bool:
         """Check a new worker's tokenizer (adopting it if the router has none yet) and start
-        its event subscriber. False: the worker tokenizes differently and must be refused."""
+        its event subscriber. False: the worker tokenizes differently and must be refused. A
+        vLLM or SGLang worker (`kind`) renders tools as transformers does: chats are rendered so."""
+        if kind in ("vllm", "sglang"):
+            self.engine = kind
         info = await fetch("/get_model_info")
         if info is not None and not self._tokenizer_matches(url, info):
             return False
@@ -188,7 +199,7 @@ class KvRouting:
         if tok is None or view.token_ids is not None:
             return view, False
         try:
-            ids = prompt_ids(payload, tok)
+            ids = prompt_ids(payload, tok, self.engine)
         except Exception:  # a template error, an odd body: the worker will say what is wrong
             return view, True
         except BaseException as exc:  # a panic in the tokenizer's Rust code (pyo3's
