@@ -40,7 +40,7 @@ def wait_idle(engine: Engine, timeout: float = 10.0):
     deadline = time.monotonic() + timeout
     while True:
         st = engine.stats()
-        if st.num_running == 0 and st.num_waiting == 0:
+        if st["num_running"] == 0 and st["num_waiting"] == 0:
             return st
         assert time.monotonic() < deadline, st
         time.sleep(0.05)
@@ -111,8 +111,8 @@ def test_a_consumer_that_leaves_early_frees_its_kv(engine):
 
     asyncio.run(leave_after_two())
     st = wait_idle(engine)
-    assert st.num_aborted >= 1
-    assert st.kv_usage == 0.0  # nothing held: every slot is free or evictable cache
+    assert st["num_aborted"] >= 1
+    assert st["kv_usage"] == 0.0  # nothing held: every slot is free or evictable cache
 
 
 def test_bad_requests_get_clear_errors_and_the_engine_goes_on(engine):
