@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from pydantic import ValidationError
 from starlette.requests import Request
 
@@ -38,7 +38,7 @@ from radixserve.server.chat_output import ChatOutput
 from radixserve.server.errors import ApiError
 from radixserve.server.protocol import ChatCompletionRequest, openapi_body, scheduling_fields
 from radixserve.server.responses import Choice, JSONBody
-from radixserve.server.routes import SSE_HEADERS, chat_input
+from radixserve.server.routes import chat_input, stream_response
 from radixserve.server.state import ServerState, read_json
 from radixserve.server.streams import Generation, unless_disconnected
 
@@ -122,7 +122,7 @@ async def _messages(
     head = {"id": message_id(), "type": "message", "role": "assistant", "model": state.model_name}
     gen = state.start([inp], start)
     if body.stream:
-        return await _stream(request, gen, _events(gen, head, output, body))
+        return await stream_response(request, gen, _events(gen, head, output, body))
     try:
         (c,) = await unless_disconnected(request, gen.collect())
     finally:
@@ -181,25 +181,3 @@ async def _events(
 
 def _sse(events: list[tuple[str, dict[str, Any]]]) -> bytes:
     return b"".join(sse_event(name, data) for name, data in events)
-
-
-async def _stream(request: Request, gen: Generation, events: AsyncIterator[bytes]) -> Response:
-    try:
-        first = await unless_disconnected(request, anext(events))
-    except BaseException:
-        gen.close()
-        raise
-    return StreamingResponse(_chain(first, events, gen), media_type="text/event-stream",
-                             headers=SSE_HEADERS)  # fmt: skip
-
-
-async def _chain(
-    first: bytes, events: AsyncIterator[bytes], gen: Generation
-) -> AsyncIterator[bytes]:
-    try:
-        yield first
-        async for event in events:
-            if event:
-                yield event
-    finally:
-        gen.close()  # a client that went away cancels the stream here: abort what still runs

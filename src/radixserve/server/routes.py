@@ -143,7 +143,7 @@ async def _openai(
     if not chat and body.echo:
         _echo(state, gen, [p for p in prompts for _ in range(body.n)], inputs)
     if body.stream:
-        return await _stream(request, gen, _openai_events(gen, head, body))
+        return await stream_response(request, gen, _openai_events(gen, head, body))
     return JSONBody(head.body(await _collect(request, gen), body.n))
 
 
@@ -283,7 +283,7 @@ async def _generate(
         def render(c: Choice, _: TextOut) -> list[bytes]:
             return [sse(result(c))]
 
-        return await _stream(request, gen, _events(gen, render, [], list))
+        return await stream_response(request, gen, _events(gen, render, [], list))
     choices = await _collect(request, gen)
     return JSONBody([result(c) for c in choices] if batch else result(choices[0]))
 
@@ -353,7 +353,11 @@ async def _events(
     yield DONE
 
 
-async def _stream(request: Request, gen: Generation, events: AsyncIterator[bytes]) -> Response:
+async def stream_response(
+    request: Request, gen: Generation, events: AsyncIterator[bytes]
+) -> Response:
+    """An SSE response that starts once the first event is ready (an error before it is a
+    plain error response); the generation is aborted when the client goes away."""
     try:
         first = await unless_disconnected(request, anext(events))
     except BaseException:
@@ -369,6 +373,7 @@ async def _chain(
     try:
         yield first
         async for event in events:
-            yield event
+            if event:  # an empty chunk would be a no-op write
+                yield event
     finally:
         gen.close()  # a client that went away cancels the stream here: abort what still runs
