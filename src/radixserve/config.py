@@ -342,6 +342,47 @@ class DisaggConfig:
         return self.disaggregation_mode != "null"
 
 
+TRACE_EXTRA = (
+    "--enable-trace needs the OpenTelemetry SDK and its OTLP exporter: "
+    "pip install 'radixserve[trace]'"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class TraceConfig:
+    """OpenTelemetry traces (SGLang's and smg's flag names), shared by `route` and `serve`:
+    spans go to an OTLP/HTTP collector; a W3C traceparent links router and engine spans."""
+
+    enable_trace: bool = _f(False, "export OpenTelemetry traces (needs radixserve[trace])")
+    otlp_traces_endpoint: str = _f(
+        "localhost:4318",
+        "OTLP/HTTP collector: HOST:PORT (spans posted to /v1/traces) or a full http(s):// URL",
+    )
+
+    def __post_init__(self) -> None:
+        if not self.enable_trace:
+            if self.otlp_traces_endpoint != "localhost:4318":  # refused, not ignored
+                raise ValueError("--otlp-traces-endpoint needs --enable-trace")
+            return
+        url = self.traces_url  # a malformed endpoint is one line now
+        if not re.fullmatch(r"https?://(\[[0-9A-Fa-f:]+\]|[^/\s:\[\]]+)(:\d{1,5})?(/\S*)?", url):
+            raise ValueError(f"--otlp-traces-endpoint {self.otlp_traces_endpoint!r}: expected "
+                             "HOST:PORT or http(s)://HOST:PORT/PATH")  # fmt: skip
+        import importlib
+
+        for module in ("opentelemetry.sdk.trace", "opentelemetry.exporter.otlp.proto.http"):
+            try:  # imported, not looked up: a broken install fails here, not at the first span
+                importlib.import_module(module)
+            except ImportError:
+                raise ValueError(TRACE_EXTRA) from None
+
+    @property
+    def traces_url(self) -> str:
+        """Where spans are posted (OTLP/HTTP's /v1/traces under HOST:PORT)."""
+        ep = self.otlp_traces_endpoint.strip()
+        return ep if "://" in ep else f"http://{ep}/v1/traces"
+
+
 def choices_of(choices: tuple[str, ...] | str) -> tuple[str, ...]:
     """A field's choices: listed, or "module:NAME" of a registry read when the flags are made
     (registries that import this module cannot be imported by it at load time)."""

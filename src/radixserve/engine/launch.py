@@ -15,7 +15,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixserve.config import CacheConfig, DisaggConfig, ModelConfig, SchedulerConfig
+from radixserve.config import (
+    CacheConfig,
+    DisaggConfig,
+    ModelConfig,
+    SchedulerConfig,
+    TraceConfig,
+)
 from radixserve.engine.kv_events import KVEventsConfig
 from radixserve.engine.procutil import Endpoints
 from radixserve.engine.tokenizer_spec import TokenizerSpec
@@ -35,6 +41,7 @@ class EngineConfig:
     # --sim only: write prompts' pages to a KV store as placeholders (engine/sim_store.py)
     sim_kv_store: dict[str, Any] | None = None
     disagg: DisaggConfig = field(default_factory=DisaggConfig)  # prefill/decode apart
+    trace: TraceConfig = field(default_factory=TraceConfig)  # OpenTelemetry spans (--enable-trace)
 
     def __post_init__(self) -> None:
         if self.disagg.enabled and self.sim is not None:

@@ -29,6 +29,9 @@ class GenerateReq:
     # engine also the prefill engine's scheduler endpoint (looked up on its bootstrap server)
     bootstrap_room: int | None = None
     prefill_endpoint: str | None = None
+    # --enable-trace: the W3C traceparent of the HTTP request's span; the scheduler's spans
+    # (queue, prefill, decode) are its children
+    trace: str | None = None
 
 
 @dataclass(slots=True)

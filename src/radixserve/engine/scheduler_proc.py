@@ -32,10 +32,12 @@ from radixserve.engine.messages import (
 )
 from radixserve.engine.pd_rooms import make_role
 from radixserve.engine.procutil import Endpoints, exit_with_parent
+from radixserve.engine.trace_spans import record_request
 from radixserve.sched.batch import Batch, StepResult, TokenLogprob
 from radixserve.sched.request import FinishReason, Req, TokenOutput
 from radixserve.sched.scheduler import Scheduler
 from radixserve.sched.validate import check_request
+from radixserve.tracing import open_tracer
 
 FLUSH_WAIT_S = 2.0  # a flush waits this long for the storage writer to read its pinned pages
 # (under the API's 5 s control timeout; still pinned after it: the flush is refused, 409)
@@ -65,6 +67,8 @@ class Worker:
     # prompt logprobs computed by prefill chunks, by position, until the first token goes out
     prompt_lp: dict[str, dict[int, TokenLogprob]] = field(default_factory=dict)
     pd: Any = None  # engine.pd_rooms.PrefillRooms | DecodeRooms: a disaggregated engine's rooms
+    tracer: Any = None  # --enable-trace: radixserve.tracing.Tracer
+    traces: dict[str, str] = field(default_factory=dict)  # rid -> its request span's traceparent
 
     def handle(self, msg: Any) -> None:
         if isinstance(msg, GenerateReq):
@@ -81,6 +85,8 @@ class Worker:
                 self.scheduler.abort(msg.rid)
             else:
                 self.scheduler.finish(msg.rid, FinishReason.STOP)
+                self._traced(self.live.get(msg.rid))
+            self.traces.pop(msg.rid, None)
             self.live.pop(msg.rid, None)
             self.prompt_lp.pop(msg.rid, None)
             # after every token already sent for it, on the same socket: the detokenizer
@@ -118,6 +124,8 @@ class Worker:
             self.push.send_pyobj(ErrorOut(msg.rid, str(e), 400))
             return
         self.live[msg.rid] = req
+        if msg.trace is not None and self.tracer is not None:
+            self.traces[msg.rid] = msg.trace
         sp = req.sampling  # a prefill engine's: up to the first token
         self.push.send_pyobj(OpenStream(msg.rid, sp.stop, sp.skip_special_tokens, sp.no_stop_trim,
                                         sp.min_new_tokens))  # fmt: skip
@@ -262,6 +270,7 @@ class Worker:
         matched = o.token_id if o.finished and o.token_id in stops else None
         if o.finished:
             del self.live[o.rid]
+            self._traced(req)
             if self.store is not None:  # queued for the writer thread: never waits here
                 self.store.submit(req.input_ids, req.namespace)
         out = TokenOut(o.rid, [o.token_id], o.finished, reason, len(req.input_ids),
@@ -278,6 +287,12 @@ class Worker:
             out.prompt_logprob_start = min(prompt)
             out.prompt_logprobs = [prompt[p] for p in sorted(prompt)]
         return out
+
+    def _traced(self, req: Req | None) -> None:
+        """A finished request's queue, prefill and decode spans (--enable-trace)."""
+        parent = self.traces.pop(req.rid, None) if req is not None else None
+        if parent is not None:
+            record_request(self.tracer, parent, req, self.scheduler.clock)
 
     def loop(self) -> None:
         busy = False
@@ -355,13 +370,16 @@ def run_scheduler(engine_config: Any, endpoints: Endpoints, ready: Any, parent_p
     worker.store = store
     worker.storage = storage
     worker.meter = meter
+    worker.tracer = open_tracer(engine_config.trace, "radixserve-engine")
     worker.ratios = ratio_fields(info.get("kv_load_to_prefill_ratio"),
                                  info.get("kv_store_load_to_prefill_ratio"))  # fmt: skip
     try:
         worker.loop()
-    finally:  # the writer's jobs dropped, their pins released
+    finally:  # the writer's jobs dropped, their pins released; buffered spans sent
         if storage is not None:
             storage.close(scheduler.kv)
+        if worker.tracer is not None:
+            worker.tracer.close()
 
 
 def _kv_events(engine_config: Any, scheduler: Scheduler) -> KVEventPlane | None:

@@ -12,6 +12,7 @@ import os
 import uuid
 from array import array
 from collections.abc import AsyncIterator, Callable, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +38,9 @@ SERVER_RID_PREFIX = "rs-"
 CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 """Appended to a continued last message to find where its content ends once rendered (the
 marker transformers uses, so the text is the one vLLM renders)."""
+TRACEPARENT: ContextVar[str | None] = ContextVar("radixserve_traceparent", default=None)
+"""--enable-trace: the traceparent of the HTTP request being served (set by the server around
+each request), sent with its GenerateReqs so that the scheduler's spans join its trace."""
 
 
 class RequestError(Exception):
@@ -226,6 +230,7 @@ class TokenizerManager:
         space = f"prompt-logprobs:{rid}" if inp.sampling.prompt_logprobs else inp.namespace
         req = GenerateReq(rid, ids, inp.sampling, inp.priority, inp.routing_key, space)
         req.bootstrap_room, req.prefill_endpoint = room
+        req.trace = TRACEPARENT.get()
         finished = False
         try:
             await self._push.send_pyobj(req)

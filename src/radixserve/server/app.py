@@ -30,6 +30,8 @@ from radixserve.server.protocol import add_body_schemas
 from radixserve.server.responses import JSONBody
 from radixserve.server.routes import inference_routes
 from radixserve.server.state import ServerState
+from radixserve.server.tracing import TraceMiddleware
+from radixserve.tracing import open_tracer
 
 STATS_TIMEOUT_S = 5.0  # a scrape should not hang on a scheduler stuck in a long step
 RATIOS = ("kv_load_to_prefill_ratio", "kv_store_load_to_prefill_ratio")  # engine/load_meter.py
@@ -38,6 +40,7 @@ RATIOS = ("kv_load_to_prefill_ratio", "kv_store_load_to_prefill_ratio")  # engin
 def create_app(config: ServerConfig, engine: EngineProcesses) -> FastAPI:
     """The app for a launched engine; its lifespan starts and stops the tokenizer manager."""
     state = ServerState.create(config, engine)
+    tracer = open_tracer(engine.config.trace, "radixserve-engine")
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -46,6 +49,8 @@ def create_app(config: ServerConfig, engine: EngineProcesses) -> FastAPI:
             yield
         finally:
             await state.tm.close()
+            if tracer is not None:
+                tracer.close()
 
     app = FastAPI(
         title="radixserve",
@@ -59,6 +64,8 @@ def create_app(config: ServerConfig, engine: EngineProcesses) -> FastAPI:
     app.state.server = state
     install_handlers(app)
     add_docs(app, state)
+    if tracer is not None:  # inside RequestIdMiddleware: the span names the request id
+        app.add_middleware(TraceMiddleware, tracer=tracer)
     app.add_middleware(RequestIdMiddleware)
     app.include_router(inference_routes(state))
     app.include_router(anthropic_routes(state))

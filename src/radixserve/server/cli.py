@@ -18,6 +18,7 @@ from radixserve.config import (
     DisaggConfig,
     ModelConfig,
     SchedulerConfig,
+    TraceConfig,
     add_check,
     add_dataclass_args,
     from_args,
@@ -46,6 +47,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     add_dataclass_args(parser, CacheConfig, "cache", check=False)
     add_dataclass_args(parser, SchedulerConfig, "scheduler", check=False)
     add_dataclass_args(parser, DisaggConfig, "prefill/decode disaggregation", check=False)
+    add_dataclass_args(parser, TraceConfig, "tracing", check=False)
     parser.add_argument_group("kv events").add_argument(
         "--kv-events-config", default=None, metavar="JSON",
         help="publish KV-cache events as vLLM does, e.g. '{\"endpoint\": \"tcp://*:5557\", "
@@ -80,7 +82,8 @@ def configs(args: argparse.Namespace) -> tuple[ServerConfig, Any]:
                                  else KVEventsConfig.from_json(events),
                                  sim_kv_store=None if args.sim_kv_store is None
                                  else _json_object(args.sim_kv_store),
-                                 disagg=from_args(DisaggConfig, args))  # fmt: skip
+                                 disagg=from_args(DisaggConfig, args),
+                                 trace=from_args(TraceConfig, args))  # fmt: skip
     check_config(engine_config.sched, engine_config.cache.page_size)
     return server, engine_config
 

@@ -106,6 +106,9 @@ class RouterPolicy(ABC):
         # Prompt tokens dispatched, and those the chosen worker held (kv_aware counts them).
         self.prompt_tokens = 0
         self.matched_tokens = 0
+        # What the worker chosen at the last on_dispatch was expected to hold: prompt tokens
+        # with a KV index, the approximate tree's units without (None: the policy expects none).
+        self.last_hit: int | None = None
 
     @abstractmethod
     def select(self, workers: Sequence[WorkerView], request: RequestView, now: float) -> int:

@@ -127,6 +127,7 @@ class CacheAwarePolicy(RouterPolicy):
     def on_dispatch(self, worker_id: Hashable, request: RequestView, now: float) -> None:
         held = self.tree.insert(request.key, worker_id, now, request.namespace)
         self._matched_units += held
+        self.last_hit = held
         total = units(request.key)
         self._total_units += total
         if total and held / total <= self.config.cache_threshold:

@@ -374,6 +374,7 @@ class KvAwarePolicy(RouterPolicy):
         self._shares.record(worker_id)
         self.matched_tokens += hit
         self.prompt_tokens += size
+        self.last_hit = hit
         if request.key:
             self.tree.insert(request.key, worker_id, now, request.namespace)
             cfg = self.config

@@ -28,6 +28,7 @@ from radixserve.router.proxy.connections import ClientConn, Request, error_body
 from radixserve.router.proxy.kv_setup import KvRouting, open_kv_index
 from radixserve.router.proxy.metrics import BUCKETS, metrics_registry
 from radixserve.router.proxy.request_body import request_view, routed_payload
+from radixserve.router.proxy.route_trace import RouteTrace
 from radixserve.router.proxy.worker_kinds import WorkerKinds, http_get
 from radixserve.router.proxy.workers import (
     Headers,
@@ -37,6 +38,7 @@ from radixserve.router.proxy.workers import (
     check_url,
     resolve,
 )
+from radixserve.tracing import open_tracer
 
 try:  # 5x faster on long prompts; the stdlib parser is the fallback
     from orjson import loads
@@ -100,6 +102,7 @@ class Router(Endpoints):
         self.routes: dict[str, dict[str, Handler]] = {}
         self.add_routes()
         self.metrics_registry = metrics_registry(self)
+        self.tracer = open_tracer(config.trace, "radixserve-router")
 
     async def start(self) -> int:
         """Listen and start background work; returns the bound port. Unreachable workers do not
@@ -129,6 +132,8 @@ class Router(Endpoints):
             await self.kvs.close()
         if self._tokenizing is not None:
             self._tokenizing.shutdown(wait=False, cancel_futures=True)
+        if self.tracer is not None:
+            self.tracer.close()
 
     def _worker_id(self, url: str) -> str | None:
         worker = self.registry.by_url(url)
@@ -255,18 +260,32 @@ class Router(Endpoints):
             return
         if req.session:
             view = dataclasses.replace(view, routing_key=req.session)
+        trace = None if self.tracer is None else RouteTrace(self.tracer, req, self.config.policy)
+        try:
+            await self._route(conn, req, view, trace)
+        finally:
+            if trace is not None:
+                trace.finish()
+
+    async def _route(
+        self, conn: ClientConn, req: Request, view: RequestView, trace: RouteTrace | None
+    ) -> None:
         tried: list[str] = []
         lost = 0
         for attempt in range(self.config.max_retries + 1):
             if attempt:
                 self.retries += 1
                 await asyncio.sleep(self._backoff(attempt))
+            if trace is not None:
+                trace.picking()
             if self.kvs is not None:  # the shared index's answer, read by select just below
                 await self.kvs.prepare(view.token_ids, view.kv_namespace)
             worker = self.pick(view, tried)
             if worker is None:
                 break
-            failure = await self.attempt(conn, req, worker, view)
+            if trace is not None:
+                trace.picked()
+            failure = await self.attempt(conn, req, worker, view, trace, attempt)
             if failure is None:
                 return
             tried.append(worker.id)
@@ -275,7 +294,9 @@ class Router(Endpoints):
             lost += failure.lost
             if not failure.retry or lost > 1:  # a request that killed a worker kills no more
                 break
-        self.fail(conn, tried, failure.status if tried else 503)
+        status = self.fail(conn, tried, failure.status if tried else 503)
+        if trace is not None:
+            trace.refused(status)
 
     async def _request_view(self, body: bytes, path: str = "") -> RequestView:
         """The routing view of a request body; with kv_aware, the prompt's token ids too.
@@ -328,16 +349,18 @@ class Router(Endpoints):
         base = min(cfg.retry_backoff_ms * 2 ** (attempt - 1), cfg.retry_max_backoff_ms) / 1000
         return base * (1.0 + 0.5 * random.random())
 
-    def fail(self, conn: ClientConn, tried: list[str], status: int) -> None:
+    def fail(self, conn: ClientConn, tried: list[str], status: int) -> int:
+        """Answer a request no worker served; returns the status sent."""
         if tried:
             msg = f"request failed on {len(tried)} attempt(s) ({', '.join(tried)})"
         elif self.registry.overloaded and self.registry.routable():
             self._shed(conn, "every worker reports a queue or KV usage past the overload threshold")
-            return
+            return 503
         else:
             status, msg = 503, "no healthy worker available"
         self.failed[status] = self.failed.get(status, 0) + 1
         conn.send_json(status, error_body(status, msg, "service_unavailable"))
+        return status
 
     def pick(self, view: RequestView, tried: list[str]) -> Worker | None:
         """The policy's choice, avoiding workers this request already failed on while others
@@ -367,11 +390,14 @@ class Router(Endpoints):
         key = self.config.worker_api_key
         auth = b"Bearer " + key.encode() if key is not None else req.auth
         head = b"X-Request-Id: " + req.rid.encode() + b"\r\n"
+        if req.trace and self.tracer is None:  # not tracing: the client's trace passes through
+            head += b"traceparent: " + req.trace + b"\r\n"
         return head + (b"Authorization: " + auth + b"\r\n" if auth else b"")
 
     async def attempt(
-        self, conn: ClientConn, req: Request, worker: Worker, view: RequestView
-    ) -> Failure | None:
+        self, conn: ClientConn, req: Request, worker: Worker, view: RequestView,
+        trace: RouteTrace | None = None, number: int = 0,
+    ) -> Failure | None:  # fmt: skip
         """One try on `worker`: None when the client got its answer, else why it failed."""
         size, cfg = units(view.key), self.config
         worker.load, worker.queued_units = worker.load + 1, worker.queued_units + size
@@ -380,6 +406,9 @@ class Router(Endpoints):
         self.policy.on_dispatch(worker.id, view, time.monotonic())
         self._maybe_evict()
         streamed = False
+        headers = self._forward_headers(req)
+        if trace is not None:  # the worker's spans join this attempt's
+            headers += trace.dispatched(worker, self.policy, number)
 
         def on_head(status: int, headers: Headers, chunked: bool) -> Callable[[bytes], None] | None:
             nonlocal streamed
@@ -392,15 +421,19 @@ class Router(Endpoints):
         try:
             resp = await worker.pool.request(
                 "POST", req.path, req.body, on_head, cfg.request_timeout_secs,
-                self._forward_headers(req), cfg.stream_timeout_secs, conn.bind,
+                headers, cfg.stream_timeout_secs, conn.bind,
             )  # fmt: skip
         except UpstreamError as exc:
             why = Failure(str(exc), 504 if exc.timed_out else 502, exc.retryable, exc.lost)
+            if trace is not None:
+                trace.settled(None, str(exc))
             return self._failed(conn, req, worker, why, streamed)
         finally:
             worker.load, worker.queued_units = worker.load - 1, worker.queued_units - size
             worker.breaker.settled()
             self.policy.on_complete(worker.id, view, time.monotonic())
+        if trace is not None:
+            trace.settled(resp.status)
         if resp.status in RETRYABLE:
             why = Failure(f"status {resp.status}", 502, True, False)
             return self._failed(conn, req, worker, why, streamed)

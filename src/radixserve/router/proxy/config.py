@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from radixserve.config import check_fields
+from radixserve.config import TraceConfig, check_fields
 from radixserve.router.policies.config import CachePolicyConfig
 from radixserve.router.policies.registry import POLICIES, policy_names
 from radixserve.router.proxy.worker_shapes import (
@@ -220,6 +220,10 @@ class RouterConfig:
         metadata={"help": "health checks, circuit breaker, worker connections"},
     )
     log_level: str = _f("info", "logging level", choices=("debug", "info", "warning", "error"))
+    trace: TraceConfig = field(
+        default_factory=TraceConfig,
+        metadata={"help": "OpenTelemetry traces: --enable-trace, --otlp-traces-endpoint"},
+    )
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -68,7 +68,7 @@ class Server(Protocol):
 
 class Request:
     __slots__ = ("method", "path", "query", "auth", "body", "keep_alive", "http11", "rid",
-                 "session")  # fmt: skip
+                 "session", "trace")  # fmt: skip
 
     def __init__(
         self,
@@ -80,10 +80,12 @@ class Request:
         rid: str,
         http11: bool = True,
         session: bytes = b"",
+        trace: bytes = b"",
     ) -> None:
         self.method, self.auth, self.body, self.keep_alive = method, auth, body, keep_alive
         self.path, _, self.query = url.partition("?")
         self.http11, self.rid, self.session = http11, rid, session
+        self.trace = trace  # the client's W3C traceparent (b"": none)
 
 
 class Refusal:
@@ -126,6 +128,7 @@ class ClientConn(asyncio.Protocol):
     def _reset(self) -> None:
         self.url, self.url_size, self.head_size = [], 0, 0
         self.auth, self.rid, self.body, self.size, self.session = b"", b"", [], 0, b""
+        self.trace = b""
         self.expect, self.length = False, 0
 
     # ----- connection life and timeouts -----
@@ -243,6 +246,8 @@ class ClientConn(asyncio.Protocol):
             self.rid = value
         elif name == self.session_header:
             self.session = value
+        elif name == b"traceparent":
+            self.trace = value
         elif name == b"expect":
             self.expect = value.lower() == b"100-continue"
         elif name == b"content-length" and value.isdigit():
@@ -273,6 +278,7 @@ class ClientConn(asyncio.Protocol):
             request_id(self.rid),
             p.get_http_version() == "1.1",
             self.session,
+            self.trace,
         )
         if p.should_upgrade():  # the parser calls an Upgrade request's connection closing
             req.keep_alive = req.http11
