@@ -281,6 +281,14 @@ class ModelConfig:
     sampling_seed: int = _f(
         0, "seed of the sampler for requests that carry no seed of their own", ge=0, lt=2**64
     )
+    cuda_graph_max_bs: int = _f(
+        256,
+        "on a CUDA device, the largest decode batch run as a CUDA graph (captured per "
+        "batch-size and context-width bucket the first time one is needed); larger batches, "
+        "and steps with a prefill, run kernel by kernel",
+        ge=1,
+    )
+    disable_cuda_graph: bool = _f(False, "run every decode step kernel by kernel on a CUDA device")
     num_threads: int = _f(
         0,
         "torch CPU threads of the model (0: OMP_NUM_THREADS if set, else one per core; on a "

@@ -22,11 +22,15 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        scratch: bool = False,
     ) -> None:
+        """``scratch``: one more slot, ``scratch_slot`` (``num_slots``), past the scheduler's,
+        which padding rows of a CUDA graph write and read so they never touch a real one."""
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         self.num_slots = num_slots
-        shape = (num_layers, 2, num_slots, num_kv_heads, head_dim)
+        self.scratch_slot = num_slots if scratch else None
+        shape = (num_layers, 2, num_slots + int(scratch), num_kv_heads, head_dim)
         self.kv = torch.zeros(shape, dtype=dtype, device=device)
 
     @property

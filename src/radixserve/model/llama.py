@@ -105,10 +105,16 @@ class LlamaModel:
         factors = tensors.get("rope_freqs")
         self.inv_freq = rope.inv_freq(arch, factors).to(device)
 
-    def new_kv_pool(self, num_slots: int) -> KVPool:
+    def new_kv_pool(self, num_slots: int, scratch: bool = False) -> KVPool:
         a = self.arch
         return KVPool(
-            a.num_layers, num_slots, a.num_kv_heads, a.head_dim, self.kv_dtype, self.device
+            a.num_layers,
+            num_slots,
+            a.num_kv_heads,
+            a.head_dim,
+            self.kv_dtype,
+            self.device,
+            scratch,
         )
 
     def forward(self, plan: StepPlan, kv: KVPool) -> torch.Tensor:

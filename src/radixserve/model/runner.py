@@ -15,6 +15,7 @@ from radixserve.config import ModelConfig
 from radixserve.model.arch import ModelArch
 from radixserve.model.attention.plan import StepPlan
 from radixserve.model.attention.registry import get_backend
+from radixserve.model.cuda_graphs import GRAPH_BACKENDS, DecodeGraphs
 from radixserve.model.dtypes import resolve_dtypes
 from radixserve.model.grammar import Grammars
 from radixserve.model.kernels import CpuKernels, load_cpu_kernels
@@ -57,8 +58,13 @@ class TorchRunner:
             arch, load_weights(model_dir), self.dtype, self.device, self.backend, self.kv_dtype,
             self.kernels,
         )  # fmt: skip
-        self.kv = self.model.new_kv_pool(num_slots)
+        graphs = self._use_graphs(model_config)
+        self.kv = self.model.new_kv_pool(num_slots, scratch=graphs)
         self.backend.bind(self.kv)
+        self.graphs: DecodeGraphs | None = None
+        if graphs:
+            self.graphs = DecodeGraphs(self.model, self.kv, model_config.cuda_graph_max_bs,
+                                       self.info.context_length)  # fmt: skip
         self.sampler = Sampler(model_config.sampling_seed)
         self.grammars = Grammars(self.info.tokenizer, arch.vocab_size, self.info.eos_token_ids)
 
@@ -75,6 +81,13 @@ class TorchRunner:
             logger.warning("CPU kernels not available (%s): using PyTorch's (oneDNN linears, "
                            "cpu-contig attention)", loaded)  # fmt: skip
         return loaded
+
+    def _use_graphs(self, config: ModelConfig) -> bool:
+        """CUDA graphs for decode steps: on a CUDA device, unless turned off, with a backend
+        that reads the padded decode layout (every GPU backend this engine has)."""
+        if self.device.type != "cuda" or config.disable_cuda_graph:
+            return False
+        return self.backend.name in GRAPH_BACKENDS
 
     @property
     def arch(self) -> ModelArch:
@@ -116,7 +129,8 @@ class TorchRunner:
     def logits(self, batch: Batch) -> torch.Tensor:
         """Float32 next-token logits ``[S, vocab]`` of the entries with ``sample`` set, in batch
         order (a step like ``run``, K/V writes included, without sampling)."""
-        return self._forward(batch, [i for i, e in enumerate(batch.entries) if e.sample])[0]
+        logits = self._forward(batch, [i for i, e in enumerate(batch.entries) if e.sample])[0]
+        return logits.clone() if self.graphs is not None else logits  # a graph's output is reused
 
     def _forward(
         self, batch: Batch, sampled: list[int]
@@ -125,6 +139,8 @@ class TorchRunner:
         if not batch.entries:
             return torch.empty(0, self.arch.vocab_size, device=self.device), {}
         self._check_bounds(batch)
+        if self.graphs is not None and self.graphs.accepts(batch.entries):
+            return self.graphs.logits(batch.entries), {}
         plan: StepPlan = self.backend.plan(batch.entries, self.device, self.dtype)
         hidden = self.model.forward(plan, self.kv)
         # only the last token of an entry that samples needs the (large) vocab projection
