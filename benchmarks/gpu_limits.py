@@ -192,7 +192,13 @@ def kernels_per_step(runner: TorchRunner, b: int, ctx: int) -> int | None:
         runner.run(batch)
     runner.graphs = graphs
     cuda = torch.autograd.DeviceType.CUDA
-    return sum(e.count for e in prof.key_averages() if e.device_type == cuda)
+    kernels = [e for e in prof.key_averages() if e.device_type == cuda]
+    kernels.sort(key=lambda e: -e.self_device_time_total)
+    total = sum(e.self_device_time_total for e in kernels)
+    print(f"  B={b} eager step, GPU time by kernel ({total / 1e3:.2f} ms in all):")
+    for e in kernels[:10]:
+        print(f"    {e.self_device_time_total / 1e3:7.3f} ms  {e.count:4d}x  {e.key[:90]}")
+    return sum(e.count for e in kernels)
 
 
 def check_float32(name: str, path: Path, args: argparse.Namespace, slots: int) -> dict:
@@ -249,8 +255,13 @@ def run_model(name: str, args: argparse.Namespace, ceil: dict, root: Path) -> di
     res = {"model": name, "weight_bytes": weight_bytes(runner)}
     res["check"] = check_graph(runner, graphs, args.context)
     print(f"  graph vs eager: {res['check']}", flush=True)
-    res["kernels_b8"] = kernels_per_step(runner, 8, args.context)
-    print(f"  kernels in an eager decode step at B=8: {res['kernels_b8']}", flush=True)
+    try:  # the profile is a side note: its failure must not cost the timings
+        res["kernels_b8"] = kernels_per_step(runner, 8, args.context)
+        print(f"  kernels in an eager decode step at B=8: {res['kernels_b8']}", flush=True)
+        kernels_per_step(runner, max(args.batches), args.context)
+    except Exception:
+        traceback.print_exc()
+    runner.graphs = graphs
     res["decode"] = decode_rows(
         runner, graphs, args.batches, args.context, ceil["copy_gbs"] * 1e9, args.reps
     )
