@@ -65,3 +65,16 @@ def test_an_abort_while_the_kv_is_on_its_way_frees_it_and_caches_nothing() -> No
     sched.check_integrity()
     assert sched.kv.allocator.available() == 400
     assert sched.cache.match_prefix(a.input_ids).length == 0
+
+
+def test_one_new_token_ends_on_the_token_received_and_caches_the_prompt() -> None:
+    sched = make(400)
+    a = req("a", 100, 1)  # the prefill engine samples the only token; nothing decodes here
+    assert sched.reserve(a)
+    out = sched.receive("a", 5)
+    assert out.finished and a.output_ids == [5]
+    assert sched.step() is None
+    sched.check_integrity()
+    kv = sched.kv
+    assert kv.allocator.available() + kv.cache.evictable_size() == kv.total
+    assert sched.cache.match_prefix(a.input_ids).length == 100

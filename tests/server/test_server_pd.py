@@ -268,3 +268,19 @@ def test_input_logprobs_merged_as_a_pd_router_merges_them(fleet):
         assert (g[0] is None) == (w[0] is None)
         assert g[0] is None or abs(g[0] - w[0]) < 1e-4
     _check_clean(prefill, decode)
+
+
+def test_one_new_token_is_the_prefill_engines_returned_by_the_decode_engine(fleet):
+    prefill, decode, agg, boot = fleet
+    for path, body in [("/generate", {"text": PROMPTS[0], "sampling_params": {
+                            "max_new_tokens": 1, "temperature": 0}}),
+                       ("/v1/completions", {"prompt": PROMPTS[2], "max_tokens": 1,
+                                            "temperature": 0})]:  # fmt: skip
+        want = agg.post(path, body).json()
+        p, d = _both(prefill, decode, path, body, boot)
+        assert p.status == 200 and d.status == 200, (p.body, d.body)
+        if path == "/generate":
+            assert d.json()["output_ids"] == want["output_ids"] == p.json()["output_ids"]
+        else:
+            assert d.json()["choices"][0]["text"] == want["choices"][0]["text"]
+    _check_clean(prefill, decode)

@@ -2,8 +2,9 @@
 
 As SGLang's: an HTTP server on ``--disaggregation-bootstrap-port`` whose ``GET /route`` tells a
 decode engine where the prefill engine's scheduler listens (``rank_ip``, ``rank_port``) and what
-its KV looks like; ``GET /health`` answers OK. A decode engine looks a (host, port) up once and
-keeps the answer; the request's ``bootstrap_room`` then goes straight to that scheduler.
+its KV looks like; ``GET /health`` answers OK. A decode engine looks a (host, port) up and
+keeps the answer a short while; a request's ``bootstrap_room`` then goes straight to that
+scheduler.
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ import asyncio
 import json
 import socket
 import threading
+import time
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 LOOKUP_TIMEOUT_S = 5.0
+ROUTE_TTL_S = 2.0  # one look-up per prefill engine every 2 s at most, under any load
 
 
 class BootstrapServer:
@@ -70,18 +73,22 @@ def bind_bootstrap(host: str, port: int) -> socket.socket:
 
 
 class RouteCache:
-    """Decode side: (bootstrap host, port) -> the prefill scheduler's ZeroMQ endpoint."""
+    """Decode side: (bootstrap host, port) -> the prefill scheduler's ZeroMQ endpoint, asked
+    again once ``ttl`` seconds old: a prefill engine restarted on the same bootstrap port binds
+    a new scheduler port, and rooms sent to the old one would only end at their bound."""
 
-    def __init__(self) -> None:
-        self._known: dict[tuple[str, int], str] = {}
+    def __init__(self, ttl: float = ROUTE_TTL_S) -> None:
+        self.ttl = ttl
+        self._known: dict[tuple[str, int], tuple[str, float]] = {}
 
     async def endpoint(self, host: str, port: int) -> str:
         """The endpoint; ConnectionError (saying which server) if it cannot be learned."""
-        key = (host, port)
-        if key not in self._known:
+        key, now = (host, port), time.monotonic()
+        got = self._known.get(key)
+        if got is None or now - got[1] > self.ttl:
             route = await asyncio.to_thread(_get_route, host, port)
-            self._known[key] = f"tcp://{route['rank_ip']}:{int(route['rank_port'])}"
-        return self._known[key]
+            got = self._known[key] = (f"tcp://{route['rank_ip']}:{int(route['rank_port'])}", now)
+        return got[0]
 
 
 def _get_route(host: str, port: int) -> dict[str, Any]:

@@ -217,8 +217,8 @@ class Scheduler:
         ``receive`` once it has landed. False, keeping nothing: no room now for it to decode
         to its end beside the others (sched/receive.py); ValueError: it can never run here."""
         check_request(req, self.context_length, self.kv.total, self.kv.page)
-        if req.rid in self._reqs or req.sampling.max_new_tokens < 2:
-            raise ValueError(f"request {req.rid!r} is in use or has no token left to decode")
+        if req.rid in self._reqs:  # max_new_tokens 1: it ends on the first token received
+            raise ValueError(f"request id {req.rid!r} is already in use")
         here = [*self.running.decoding.values(), *self.receiving.values()]
         if len(here) >= self.config.max_running_requests or not fits(self.kv, here, req):
             return False

@@ -200,6 +200,16 @@ def _admin_routes(state: ServerState) -> APIRouter:
             "stats": stats,
         }  # fmt: skip
 
+    @router.get("/server_info")
+    async def sglang_server_info() -> dict[str, Any]:
+        """SGLang's flat shape (its server arguments at the top level), under its current
+        name: what SGLang's routers read a worker's model and role from."""
+        return await _sglang_server_info(state)
+
+    @router.get("/model_info")
+    async def sglang_model_info() -> dict[str, Any]:
+        return await model_info()
+
     @router.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> JSONBody:
         try:
@@ -212,6 +222,19 @@ def _admin_routes(state: ServerState) -> APIRouter:
         return JSONBody({"success": True, "message": "Cache flushed."})
 
     return router
+
+
+async def _sglang_server_info(state: ServerState) -> dict[str, Any]:
+    ec, info = state.engine.config, state.engine.info
+    sched = await _scheduler(state)
+    keys = ("schedule_policy", "max_prefill_tokens", "chunked_prefill_size", "max_running_requests")
+    disagg = dataclasses.asdict(ec.disagg)
+    return {"version": __version__, "model_path": _model_path(state),
+            "tokenizer_path": _model_path(state), "served_model_name": state.model_name,
+            "context_length": state.tm.context_length, "page_size": ec.cache.page_size,
+            "max_total_tokens": info.get("max_total_tokens"), "tp_size": 1, "dp_size": 1,
+            **{k: sched.get(k) for k in keys},
+            **{k: v for k, v in disagg.items() if k.startswith("disaggregation_")}}  # fmt: skip
 
 
 def _model_path(state: ServerState) -> str:

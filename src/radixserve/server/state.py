@@ -82,7 +82,9 @@ class ServerState:
                            "invalid_api_key")  # fmt: skip
 
     def check_model(self, name: str | None) -> None:
-        if name is None or name in (self.model_name, self.engine.config.model.model, "default"):
+        # "unknown" is what SGLang's routers send for a request that named no model
+        if name is None or name in (self.model_name, self.engine.config.model.model, "default",
+                                    "unknown"):  # fmt: skip
             return
         raise ApiError(404, f"the model {name!r} does not exist; this server serves "
                        f"{self.model_name!r}", "model_not_found", "model")  # fmt: skip
