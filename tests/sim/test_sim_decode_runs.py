@@ -12,7 +12,7 @@ import pytest
 from radixserve.config import CacheConfig, SchedulerConfig
 from radixserve.sched.batch import Batch, BatchEntry
 from radixserve.sim.cluster import ClusterConfig, ClusterSim
-from radixserve.sim.costmodel import get_cost_model
+from radixserve.sim.costmodel import LLAMA3_8B, CostModel, GpuSpec, get_cost_model
 from radixserve.sim.runner import SimRunner
 from radixserve.sim.tiers import SimTierConfig
 from radixserve.sim.workloads import (
@@ -127,10 +127,16 @@ def test_a_pool_that_forces_retraction_still_matches(page_size: int) -> None:
     assert fast == slow and counts["runs"] > 0
 
 
+# a GPU whose memory is so fast that decode attention is bound by its FLOPs: the durations
+# then take the roofline's max() step by step (every preset reads KV slower than it computes)
+FAST_MEMORY = CostModel("fast-memory", LLAMA3_8B, GpuSpec("fast-memory", 1e13, 1e16, 80e9, 1e11))
+
+
 def test_decode_durations_equal_the_step_timer_float_for_float() -> None:
-    for preset in ("llama3-70b-tp4-h100", "llama3-8b-a100", "tiny-cpu"):
-        runner = SimRunner(get_cost_model(preset))
-        timer = get_cost_model(preset).timer()
+    presets = ("llama3-70b-tp4-h100", "llama3-8b-a100", "tiny-cpu")
+    for cost in (*map(get_cost_model, presets), FAST_MEMORY):
+        runner = SimRunner(cost)
+        timer = cost.timer()
         # small contexts take the integer path, a huge one the entry-by-entry float path
         for contexts in ([5, 900, 17_000, 3], [2**44, 7]):
             got = runner.decode_durations(contexts, 40)

@@ -16,6 +16,7 @@ from radixserve.sched.request import Req
 # After a retraction the reserved share is re-estimated as if every running request will
 # decode this many more steps (SGLang's retract_decode_steps).
 RETRACT_DECODE_STEPS = 20
+CURVE_STEPS = 10_000  # the most decode steps of the new-token ratio's decay worked out ahead
 
 
 def retract_order(req: Req) -> tuple[int, int, int]:
@@ -36,6 +37,7 @@ class RunningSet:
         self.chunked: Req | None = None
         self.keys: Counter[str] = Counter()  # routing key -> running requests
         self.ratio = config.new_token_ratio
+        self._memo: tuple | None = None  # the decay curve (see ``decay``) and its settings
 
     def __len__(self) -> int:
         return len(self.decoding) + (self.chunked is not None)
@@ -91,15 +93,28 @@ class RunningSet:
         return picked, freed
 
     def decay(self, steps: int = 1) -> None:
-        """``steps`` decode steps' decay, one subtraction at a time (as many single steps do)."""
+        """``steps`` decode steps' decay, one subtraction at a time (as many single steps do).
+        The ratios from ``new_token_ratio`` down are worked out once (``_curve``): a ratio on
+        that curve moves ``steps`` places along it, as the subtractions would take it."""
+        curve, place, floored = self._curve()
+        i = place.get(self.ratio)
+        if i is not None and (i + steps < len(curve) or floored):
+            self.ratio = curve[min(i + steps, len(curve) - 1)]
+            return
+        self.ratio = _decayed(self.ratio, steps, self.config)
+
+    def _curve(self) -> tuple[list[float], dict[float, int], bool]:
+        """The ratios from ``new_token_ratio`` on, a decode step apart (at most CURVE_STEPS),
+        their places, and whether the last is the floor (where the ratio then stays)."""
         cfg = self.config
-        ratio, step, low = self.ratio, cfg.new_token_ratio_decay, cfg.min_new_token_ratio
-        for _ in range(steps):
-            if ratio <= low and step >= 0:  # at the floor it stays there
-                ratio = max(ratio, low)
-                break
-            ratio = max(ratio - step, low)
-        self.ratio = ratio
+        key = (cfg.new_token_ratio, cfg.new_token_ratio_decay, cfg.min_new_token_ratio)
+        if self._memo is None or self._memo[0] != key:
+            curve = [cfg.new_token_ratio]
+            while len(curve) < CURVE_STEPS and curve[-1] != _decayed(curve[-1], 1, cfg):
+                curve.append(_decayed(curve[-1], 1, cfg))
+            floored = curve[-1] == _decayed(curve[-1], 1, cfg)
+            self._memo = (key, curve, {r: i for i, r in enumerate(curve)}, floored)
+        return self._memo[1:]
 
     def reset_ratio(self) -> None:
         self.ratio = self.config.new_token_ratio
@@ -109,3 +124,13 @@ class RunningSet:
         done = sum(r.num_generated for r in reqs) + RETRACT_DECODE_STEPS * len(reqs)
         est = done / max(1, sum(r.sampling.max_new_tokens for r in reqs))
         self.ratio = min(1.0, max(est, self.config.new_token_ratio))
+
+
+def _decayed(ratio: float, steps: int, cfg: SchedulerConfig) -> float:
+    """``ratio`` after ``steps`` decode steps' decay, one subtraction at a time."""
+    step, low = cfg.new_token_ratio_decay, cfg.min_new_token_ratio
+    for _ in range(steps):
+        if ratio <= low and step >= 0:  # at the floor it stays there
+            return max(ratio, low)
+        ratio = max(ratio - step, low)
+    return ratio

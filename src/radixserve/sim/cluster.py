@@ -29,6 +29,7 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 from tqdm import tqdm
 
@@ -538,10 +539,10 @@ class ClusterSim:
     def _start_run(self, eng: _Engine, steps: int) -> None:
         contexts = [r.kv_len for r in eng.sched.running.decoding.values()]
         durations = eng.runner.decode_durations(contexts, steps)
-        ends, t = [], self.now
-        for d in durations:  # as one step's end plus the next one's duration, event by event
-            t += d
-            ends.append(t)
+        # each step's end: the last one's plus its duration, as event by event (in C)
+        ends = list(accumulate(durations, initial=self.now))
+        del ends[0]
+        t = ends[-1]
         self._seq += 1
         heapq.heappush(self._events, (t, _DONE, self._seq, eng.idx))
         eng.run = _DecodeRun(durations, ends, self._seq)

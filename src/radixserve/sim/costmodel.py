@@ -269,9 +269,16 @@ class StepTimer:
         # so each float addition is exact and the sums equal these integers: O(1) a step
         tp, compute, memory, kvb = self._tp, self._compute, self._memory, int(kvb)
         _, allreduce, overhead = fixed
+        sums = range(total, total + n * steps, n)  # the context sum at each step
+        # decode attention reads more bytes than the GPU computes FLOPs for whenever
+        # kvb * tp * compute > 2 * memory * half (then b / f = kvb * (s + n) * tp * compute /
+        # (memory * half * (2s + n)) > 1 for every s, as (s + n) / (2s + n) >= 1/2); with half
+        # a percent to spare the rounded b beats the rounded f too, and max() needs no f
+        if kvb * tp * compute > 2.01 * memory * half:
+            return [linear + kvb * (s + n) / memory + allreduce + overhead for s in sums]
         out = []
         append = out.append
-        for s in range(total, total + n * steps, n):  # the context sum at each step
+        for s in sums:
             f = float(half * (2 * s + n)) / tp / compute
             b = float(kvb * (s + n)) / memory
             append(linear + (b if b > f else f) + allreduce + overhead)  # max(f, b): roofline

@@ -12,9 +12,13 @@ import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import groupby, islice
+from operator import sub
 
 from radixserve.config import check_fields
 from radixserve.sched.request import TokenOutput
+
+FOLD_GAPS = 1 << 20  # gaps of one weight kept in a list before they are counted
 
 
 def _f(default: object, help: str, **kw: object) -> object:
@@ -52,25 +56,55 @@ class TokenGaps:
     """Each live request's last token time and longest gap so far, and a histogram of every
     gap (gap -> tokens), fed by the simulator as tokens come out of steps and decode runs."""
 
-    __slots__ = ("last", "worst", "hist")
+    __slots__ = ("last", "worst", "_gaps", "_hist")
 
     def __init__(self) -> None:
         self.last: dict[str, float] = {}
         self.worst: dict[str, float] = {}
-        self.hist: Counter[float] = Counter()
+        # gaps not counted yet, by how many tokens each stands for (a decode run's gap is one
+        # token of each request in it): lists, folded into ``_hist`` in sorted order. Counting
+        # each gap in a dict as it came was a tenth of a run: a gap is a difference of two
+        # times hundreds of seconds in, so the low 17-18 bits of its float hash are zero and
+        # the dict's probes collide
+        self._gaps: dict[int, list[float]] = {}
+        self._hist: Counter[float] = Counter()
+
+    @property
+    def hist(self) -> Counter[float]:
+        """Every gap so far -> the tokens that came that long after the one before."""
+        for weight in list(self._gaps):
+            self._fold(weight)
+        return Counter(self._hist)
+
+    def _fold(self, weight: int) -> None:
+        gaps = self._gaps.pop(weight)
+        gaps.sort()
+        hist = self._hist
+        for gap, same in groupby(gaps):  # one dict update per distinct gap
+            hist[gap] += weight * sum(1 for _ in same)
+
+    def _add(self, weight: int, gaps: Iterable[float]) -> None:
+        held = self._gaps.get(weight)
+        if held is None:
+            held = self._gaps[weight] = []
+        held.extend(gaps)
+        if len(held) > FOLD_GAPS:  # memory stays bounded however long the run
+            self._fold(weight)
 
     def tokens(self, outs: Iterable[TokenOutput], now: float) -> None:
         """Tokens that came out at ``now`` (a request's first one starts its clock)."""
-        last, worst, hist = self.last, self.worst, self.hist
+        last, worst, gaps = self.last, self.worst, []
         for out in outs:
             rid = out.rid
             prev = last.get(rid)
             last[rid] = now
             if prev is not None:
                 gap = now - prev
-                hist[gap] += 1
+                gaps.append(gap)
                 if gap > worst.get(rid, 0.0):
                     worst[rid] = gap
+        if gaps:
+            self._add(1, gaps)
 
     def start(self, rid: str, t: float) -> None:
         """``rid``'s first token reached its client at ``t`` (a decode engine received it)."""
@@ -81,16 +115,17 @@ class TokenGaps:
         each end."""
         if not ends:
             return
-        hist, last, worst = self.hist, self.last, self.worst
-        inner = [b - a for a, b in zip(ends, ends[1:])]
-        for gap in inner:
-            hist[gap] += len(rids)
+        last, worst = self.last, self.worst
+        inner = list(map(sub, islice(ends, 1, None), ends))  # each step's end minus the last's
+        self._add(len(rids), inner)
         top = max(inner, default=0.0)
+        firsts = []
         for rid in rids:
             gap = ends[0] - last.get(rid, ends[0])
-            hist[gap] += 1
+            firsts.append(gap)
             worst[rid] = max(worst.get(rid, 0.0), gap, top)
             last[rid] = ends[-1]
+        self._add(1, firsts)
 
     def pop(self, rid: str) -> float:
         """A finished request's longest gap (0: fewer than two tokens); forgets it."""
