@@ -161,6 +161,14 @@ def warnings(proc: RouterProc) -> str:
     return "router warnings:\n" + "".join(line for line in proc.lines if " WARNING " in line)
 
 
+def queued(proc: RouterProc) -> dict[str, tuple[int | None, int | None]]:
+    """Per worker: the prefill tokens it last reported waiting, and what the router counts."""
+    rows = proc.call("GET", "/get_loads")[1]["workers"]
+    return {
+        w["url"]: (w.get("reported_prefill_tokens"), w.get("pending_prefill_tokens")) for w in rows
+    }
+
+
 def metric(proc: RouterProc, name: str) -> float:
     with urllib.request.urlopen(f"http://{proc.addr}/metrics", timeout=10) as resp:
         for line in resp.read().decode().splitlines():
@@ -231,8 +239,10 @@ def test_redis_killed_the_fallback_sends_each_prefix_group_to_its_holder(fleet):
     suffix = iter(range(20_000, 30_000))
     wait_for(lambda: routed_to(proc, seen + [next(suffix)]) == w2, what="precise from Redis")
     groups = [prompt(600 + g) for g in range(8)]
+    queues = queued(proc)  # a worker's report outliving the request it counted showed here
     holders = [routed_to(proc, ids + prompt(700 + g, BLOCK)) for g, ids in enumerate(groups)]
-    assert set(holders) == {w.url for w in fleet["workers"]}, warnings(proc)  # a wrong pick shows
+    why = f"{warnings(proc)}queued prefill before the groups: {queues}"
+    assert set(holders) == {w.url for w in fleet["workers"]}, why  # a wrong pick shows
     for ids, holder in zip(groups, holders):
         wait_for(lambda i=ids, h=holder: h in redis_holders(fleet, i), what=f"{holder} in Redis")
     fallbacks = metric(proc, "kvs_fallback_decisions_total")

@@ -114,6 +114,41 @@ def test_worker_reports_replace_dispatches_up_to_the_report():
     assert policy.pending(after) == 0  # the worker computed it (or counts it itself)
 
 
+def test_a_report_stops_counting_the_requests_that_finished_after_it():
+    # a report asked while one request waited kept its tokens against an idle worker until the
+    # next poll: every new prefix sent one at a time in between went to the other worker
+    policy = KvAwarePolicy()
+    waited, later = view([3] * 10 * BS), view([4] * 6 * BS)
+    policy.on_dispatch("w0", waited, 1.0)
+    report = WorkerView("w0", prefill_tokens=10 * BS + 50, reported_at=1.5)  # 50: another client's
+    policy.on_dispatch("w0", later, 1.6)  # after the report: not in it
+    assert policy.pending(report) == 16 * BS + 50
+    policy.on_complete("w0", waited, 2.0)
+    policy.on_complete("w0", later, 2.0)
+    assert policy.pending(report) == 50  # the report's other tokens still count
+    policy.on_dispatch("w0", waited, 2.5)
+    newer = WorkerView("w0", prefill_tokens=0, reported_at=3.0)  # asked after the completions
+    policy.select([newer], view([1] * BS), 3.1)
+    policy.on_complete("w0", waited, 3.2)  # sent before it, done after it: never below 0
+    assert policy.pending(newer) == 0
+
+
+def test_new_prefixes_go_round_workers_whose_reports_are_out_of_date():
+    policy = KvAwarePolicy()
+    waited = view([3] * 10 * BS)
+    policy.on_dispatch("w0", waited, 1.0)
+    workers = [WorkerView("w0", prefill_tokens=10 * BS, reported_at=1.5),
+               WorkerView("w1", prefill_tokens=0, reported_at=1.5)]  # fmt: skip
+    policy.on_complete("w0", waited, 2.0)
+    picks = []
+    for i in range(4):  # one at a time, each done before the next, all before the next poll
+        req = view([100 + i] * 4 * BS)
+        picks.append(policy.select(workers, req, 2.1 + i))
+        policy.on_dispatch(workers[picks[-1]].id, req, 2.1 + i)
+        policy.on_complete(workers[picks[-1]].id, req, 2.2 + i)
+    assert sorted(picks) == [0, 0, 1, 1]  # without: all four to w1
+
+
 def test_ties_go_to_fewer_running_requests():
     policy = KvAwarePolicy()
     workers = [WorkerView("w0", load=3), WorkerView("w1", load=1), WorkerView("w2", load=2)]

@@ -25,7 +25,8 @@ Registered as `--policy kv_aware`; pure (no I/O, no clock)."""
 #             The simulator reports exactly; the HTTP router reads each worker's /get_loads
 #             (waiting_prefill_tokens) after every health probe. A worker that does not report
 #             it has each dispatch counted until the request completes (an overestimate that
-#             lasts the request's decode).
+#             lasts the request's decode). A request sent before a report and completed after
+#             it leaves the report's count until the next one (policies/pending.py).
 #
 # A small hold is no preference while nothing is evicted. When the most any eligible worker holds of
 # the prompt (on device or loadable) is at most cache_threshold of it (0.5, cache_aware's flag: its
@@ -138,11 +139,11 @@ from radixserve.router.kvindex.block_index import (
 from radixserve.router.kvindex.tiers import HostTier, TierSource
 from radixserve.router.policies.base import RequestView, RouterPolicy, WorkerView, healthy_indices
 from radixserve.router.policies.config import CachePolicyConfig
+from radixserve.router.policies.pending import PendingPrefill
 from radixserve.router.policies.shares import DispatchShares
 from radixserve.router.policies.tree import NODE_UNITS, MultiTenantTree
 from radixserve.router.policies.tree_keys import units
 
-_Record = tuple[float, int]  # (dispatched at, uncached tokens)
 KeysFor = Callable[[int], list[int]]  # block size -> the prompt's block keys at that size
 KV_SPILL_MIN_EXCESS = 4
 """Recent dispatches above the mean at or below which kv_aware never spills (cache_aware's
@@ -201,7 +202,7 @@ class KvAwarePolicy(RouterPolicy):
         self.lower = (HostTier(self.index), *lower)
         self.loaded_tokens = 0  # dispatched prompt tokens the pick was expected to load
         self.tree = MultiTenantTree(node_units=NODE_UNITS)  # the fallback's approximate view
-        self._pending: dict[Hashable, dict[int, _Record]] = {}
+        self._pending = PendingPrefill()  # prefill sent to each worker, and its reports
         # the last request select() looked up: what each worker holds of it, its block keys
         self._matches: tuple[RequestView | None, dict[Hashable, int]] = (None, {})
         self._loadable: tuple[RequestView | None, dict[Hashable, int]] = (None, {})
@@ -216,7 +217,7 @@ class KvAwarePolicy(RouterPolicy):
         healthy = healthy_indices(workers)
         eligible = self._eligible(workers)
         for i in healthy:
-            self._reconcile(workers[i])
+            self._pending.reconcile(workers[i])
         size = prompt_size(request)
         if size < self.config.cache_aware_scheduling_min_tokens:
             self._shares.observe([workers[i].id for i in eligible])
@@ -345,11 +346,7 @@ class KvAwarePolicy(RouterPolicy):
 
     def pending(self, worker: WorkerView) -> int:
         """Prefill tokens `worker` has yet to compute, as far as the router knows."""
-        records = self._pending.get(worker.id, {}).values()
-        if worker.prefill_tokens is None:
-            return sum(n for _, n in records)
-        later = sum(n for t, n in records if t > worker.reported_at)  # not in the report
-        return later + worker.prefill_tokens
+        return self._pending.tokens(worker)
 
     def cached_tokens(
         self, workers: Sequence[WorkerView], request: RequestView
@@ -366,7 +363,7 @@ class KvAwarePolicy(RouterPolicy):
         hit = min(cached.get(worker_id, 0), size)
         seen, loadable = self._loadable
         loaded = max(0, min(loadable.get(worker_id, 0), size) - hit) if seen is request else 0
-        self._pending.setdefault(worker_id, {})[id(request)] = (now, size - hit - loaded)
+        self._pending.add(worker_id, id(request), now, size - hit - loaded)
         self.loaded_tokens += loaded
         if request.token_ids is not None:
             bs = self.index.block_size(worker_id) or INFLIGHT_BLOCK
@@ -382,15 +379,13 @@ class KvAwarePolicy(RouterPolicy):
                 self.tree.evict_tenant_by_cost(cfg.tree_evict_target)
 
     def on_complete(self, worker_id: Hashable, request: RequestView, now: float) -> None:
-        records = self._pending.get(worker_id)
-        if records is not None:
-            records.pop(id(request), None)
+        self._pending.complete(worker_id, id(request), now)
         self._flight.remove(worker_id, id(request))
 
     def on_worker_removed(self, worker_id: Hashable) -> None:
         self.index.drop_worker(worker_id)
         self.tree.remove_tenant(worker_id)
-        self._pending.pop(worker_id, None)
+        self._pending.forget(worker_id)
         self._flight.forget(worker_id)
         self._shares.forget(worker_id)
         self._removals.pop(worker_id, None)
@@ -440,14 +435,6 @@ class KvAwarePolicy(RouterPolicy):
                 and load > floor * cfg.balance_rel_threshold
             )
         ]
-
-    def _reconcile(self, worker: WorkerView) -> None:
-        """Drop dispatches the worker's own report already covers."""
-        records = self._pending.get(worker.id)
-        if records and worker.prefill_tokens is not None:
-            stale = [k for k, (t, _) in records.items() if t <= worker.reported_at]
-            for k in stale:
-                del records[k]
 
     def _cached(
         self,
