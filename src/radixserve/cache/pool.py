@@ -10,7 +10,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
-from operator import floordiv
+from operator import add, floordiv, mul
 
 from radixserve.cache.tokens import SLOT_CODE
 
@@ -112,19 +112,20 @@ class SlotAllocator:
             out.frombytes(view[lo * _W : hi * _W])
         return out
 
-    def _slots_of(self, pages: Sequence[int], n: int) -> array:
-        """The first ``n`` slots of ``pages``, in order: one slice of ids per run of
-        consecutive pages (freed leaves come back as runs), not one int object per slot."""
+    def _slots_of(self, pages: array, n: int) -> array:
+        """The first ``n`` slots of ``pages``, in order, sliced from the ids handed out so far
+        (not one int object per slot): one slice when the pages are one ascending run, else
+        one per page, gathered at C level (freed leaves come back scattered)."""
         p = self.page_size
         self._iota_to(self._fresh * p)
+        lo, k = pages[0], len(pages)
+        if pages[-1] == lo + k - 1 and (k <= 2 or self._ids(lo, lo + k) == pages):
+            return self._ids(lo * p, lo * p + n)
+        size = p * _W
+        starts = list(map(mul, pages, repeat(size)))
+        cuts = map(slice, starts, map(add, starts, repeat(size)))
         out = array(SLOT_CODE)
-        start = prev = pages[0]
-        for page in pages[1:]:
-            if page != prev + 1:
-                out += self._ids(start * p, prev * p + p)
-                start = page
-            prev = page
-        out += self._ids(start * p, prev * p + p)
+        out.frombytes(b"".join(map(self._iota.__getitem__, cuts)))
         del out[n:]
         return out
 
@@ -192,7 +193,7 @@ class SlotAllocator:
             pages = map(floordiv, slots, repeat(p))  # one int object per slot
         return array(SLOT_CODE, sorted(set(pages)))
 
-    def _whole_pages(self, slots: Sequence[int]) -> list[int] | None:
+    def _whole_pages(self, slots: Sequence[int]) -> array | None:
         """The page of each ``p``-th slot, when ``slots`` are pages each from its first slot on
         (the last may end early): what a tree node or a request frees. Checked with one
         compare against the slots those pages hold, at a cost per page, not per slot."""
@@ -202,7 +203,7 @@ class SlotAllocator:
         firsts = slots[::p]
         if min(firsts) < 0 or max(firsts) >= self._fresh * p:  # never handed out: slow path
             return None
-        pages = list(map(floordiv, firsts, repeat(p)))
+        pages = array(SLOT_CODE, map(floordiv, firsts, repeat(p)))
         if self._slots_of(pages, len(slots)).tobytes() != slots.tobytes():  # a memcmp
             return None
         return pages

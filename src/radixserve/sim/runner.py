@@ -91,15 +91,16 @@ class SimRunner:
         tokens computed). EOS is not checked: callers run only steps that cannot stop."""
         if self.eos_token_id is not None:  # the EOS rules: token by token
             return [self._tokens(last, ctx, steps) for last, ctx in zip(lasts, contexts)]
-        vocab, seed, mask = self.vocab_size, self.seed, _MASK64
+        vocab, seed, mask, h = self.vocab_size, self.seed, _MASK64, hash
         tokens = []
-        for last, ctx in zip(lasts, contexts, strict=True):
-            out = []
-            append = out.append
-            for seq_len in range(ctx + 1, ctx + 1 + steps):
-                last = (hash((seed, last, seq_len)) & mask) % vocab  # next_token without EOS
-                append(last)
-            tokens.append(out)
+        for first, ctx in zip(lasts, contexts, strict=True):
+            last = first
+            tokens.append(
+                [  # next_token without EOS, each token from the one before
+                    last := (h((seed, last, seq_len)) & mask) % vocab
+                    for seq_len in range(ctx + 1, ctx + 1 + steps)
+                ]
+            )
         return tokens
 
     def _tokens(self, last: int, ctx: int, steps: int) -> list[int]:

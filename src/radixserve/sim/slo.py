@@ -9,10 +9,11 @@ tokens is longer (a stream that never stalls longer than the bound); DistServe b
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import groupby, islice
+from itertools import islice
 from operator import sub
 
 from radixserve.config import check_fields
@@ -79,9 +80,12 @@ class TokenGaps:
     def _fold(self, weight: int) -> None:
         gaps = self._gaps.pop(weight)
         gaps.sort()
-        hist = self._hist
-        for gap, same in groupby(gaps):  # one dict update per distinct gap
-            hist[gap] += weight * sum(1 for _ in same)
+        hist, i, n = self._hist, 0, len(gaps)
+        while i < n:  # one dict update per distinct gap
+            gap = gaps[i]
+            j = bisect_right(gaps, gap, i)
+            hist[gap] += weight * (j - i)
+            i = j
 
     def _add(self, weight: int, gaps: Iterable[float]) -> None:
         held = self._gaps.get(weight)
