@@ -284,3 +284,44 @@ def test_one_new_token_is_the_prefill_engines_returned_by_the_decode_engine(flee
         else:
             assert d.json()["choices"][0]["text"] == want["choices"][0]["text"]
     _check_clean(prefill, decode)
+
+
+def _rooms(server) -> dict[str, Any]:
+    return server.get("/debug/check_integrity").json()
+
+
+def _until(fn, what: str, limit: float = 30.0) -> dict[str, Any]:
+    deadline = time.monotonic() + limit
+    while not (got := fn()):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+    return got
+
+
+def test_a_cancel_on_decode_holds_its_slots_until_no_page_can_land(fleet):
+    import os
+    import signal
+
+    prefill, decode, _, boot = fleet
+    rid = f"drain-{_room()}"
+    body = {"text": PROMPTS[1], "rid": rid, "sampling_params": {"max_new_tokens": 20},
+            "bootstrap_host": "127.0.0.1", "bootstrap_port": boot, "bootstrap_room": _room()}  # fmt: skip
+    # the prefill engine's scheduler, frozen: whatever it has been sent, it may still write
+    pid = prefill.get("/get_server_info").json()["engine"]["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            first = pool.submit(decode.post, "/generate", body, timeout=60)
+            _until(lambda: _rooms(decode)["rooms"]["waiting"] == 1, "never registered")
+            held = _rooms(decode)["free"]
+            assert decode.post("/abort_request", {"rid": rid}).status == 200
+            assert b"abort" in first.result().body  # the client hears at once
+        report = _until(lambda: (r := _rooms(decode))["rooms"]["draining"] == 1 and r, "drain")
+        # its slots stay reserved: a transfer already begun cannot land in reused slots
+        assert report["free"] == held and report["receiving"] == 1 and report["ok"], report
+        time.sleep(1.0)
+        assert _rooms(decode)["free"] == held
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    # the prefill engine answers the cancel: no page is on its way, the slots are freed
+    _check_clean(prefill, decode)

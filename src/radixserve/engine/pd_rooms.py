@@ -129,11 +129,17 @@ class PrefillRooms(PDRole):
         return held[0]
 
     def on_cancel(self, msg: KVCancel) -> str | None:
-        """The decode side gave up on a room: the rid to abort here, if it is still here."""
-        self.dests.pop(msg.room, None)
+        """The decode side gave up on a room: the rid to abort here, if it is still here. The
+        decode engine holds the room's slots until it hears that no page will come: told so
+        now, unless the pages went already (their KVDone, sent earlier, tells it)."""
+        got = self.dests.pop(msg.room, None)
+        dest = got[0] if got is not None else None
         rid = self.rooms.get(msg.room)
         if rid is not None:
+            dest = dest or self.running.get(rid, (None, None))[1]
             self.forget(rid)
+        if dest is not None:
+            self.peers.send(dest.reply, KVDone(msg.room, None, "cancelled by the decode engine"))
         return rid
 
     def expired(self) -> list[tuple[str, str]]:
@@ -204,18 +210,22 @@ class DecodeRooms(PDRole):
         super().__init__(*args)
         self.pending: dict[str, tuple[GenerateReq, Req, float]] = {}  # not reserved yet
         self.waiting: dict[int, tuple[str, str, float]] = {}  # room -> rid, prefill, until
+        # room -> rid, until: ended here, its slots kept until the prefill engine says that no
+        # page is on its way, so a late write never lands in slots another request took since
+        self.draining: dict[int, tuple[str, float]] = {}
 
     def busy(self) -> bool:
-        return bool(self.pending or self.waiting)
+        return bool(self.pending or self.waiting or self.draining)
 
     def counts(self) -> dict[str, int]:
-        return {"pending": len(self.pending), "waiting": len(self.waiting)}
+        return {"pending": len(self.pending), "waiting": len(self.waiting),
+                "draining": len(self.draining)}  # fmt: skip
 
     def admit(self, msg: GenerateReq, req: Req, sched: Scheduler) -> None:
         """ValueError if the request can never run here or its room is taken."""
         room = msg.bootstrap_room
         queued = (m.bootstrap_room for m, _, _ in self.pending.values())
-        if room in self.waiting or room in queued:
+        if room in self.waiting or room in self.draining or room in queued:
             raise ValueError(f"bootstrap_room {room} is already in flight on this engine")
         until = self.clock() + self.timeout
         if not self._reserve(msg, req, sched, until):
@@ -242,6 +252,10 @@ class DecodeRooms(PDRole):
     def on_done(self, msg: KVDone, sched: Scheduler) -> tuple[str, TokenOutput | str] | None:
         """Pages landed (the rid and its first token's output) or never will (rid, why);
         None for a room not waiting here, whose message is refused."""
+        drained = self.draining.pop(msg.room, None)
+        if drained is not None:  # no page will land now: the slots are free to reuse
+            sched.abort(drained[0])
+            return None
         got = self.waiting.pop(msg.room, None)
         if got is None:
             log.warning("refused KVDone for bootstrap_room %s: no request waits on it", msg.room)
@@ -265,16 +279,25 @@ class DecodeRooms(PDRole):
                 self.cancel(rid, sched)
                 out.append((rid, f"the KV pages of bootstrap_room {room} did not arrive "
                             f"within {self.timeout:g} s"))  # fmt: skip
+        for room, (rid, until) in list(self.draining.items()):
+            if until <= now:  # no answer from a prefill engine that is gone: none will write
+                del self.draining[room]
+                sched.abort(rid)
         return out
 
-    def cancel(self, rid: str, sched: Scheduler) -> None:
-        """The request ended here (aborted, timed out): free it and tell its prefill side."""
+    def cancel(self, rid: str, sched: Scheduler) -> bool:
+        """The request ended here (aborted, timed out): tell its prefill side. True if its
+        slots stay held (pages may be on their way) until the prefill side answers or the
+        bound passes; else it is freed now."""
         self.pending.pop(rid, None)
         room = next((r for r, x in self.waiting.items() if x[0] == rid), None)
-        if room is not None:
-            _, prefill, _ = self.waiting.pop(room)
-            self.peers.send(prefill, KVCancel(room))
-        sched.abort(rid)
+        if room is None:
+            sched.abort(rid)
+            return False
+        _, prefill, _ = self.waiting.pop(room)
+        self.peers.send(prefill, KVCancel(room))
+        self.draining[room] = (rid, self.clock() + self.timeout)
+        return True
 
 
 def make_role(config: Any, runner: Any, pull: zmq.Socket) -> PDRole | None:

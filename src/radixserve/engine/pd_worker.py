@@ -72,13 +72,13 @@ def tick(worker: Any) -> int | None:
     """Between steps: rooms past their bound end with an error, a decode engine reserves what
     fits now. Returns how long the loop may block idle (None: as long as it likes)."""
     pd, sched = worker.pd, worker.scheduler
-    if isinstance(pd, DecodeRooms):
+    if isinstance(pd, DecodeRooms):  # expired() ended them in the scheduler (or drains them)
         expired = pd.expired(sched)
         pd.retry(sched)
     else:
         expired = pd.expired()
     for rid, why in expired:
-        _fail(worker, rid, why, 504)
+        _fail(worker, rid, why, 504, abort=not isinstance(pd, DecodeRooms))
     return BUSY_POLL_MS if pd.busy() else None
 
 
@@ -97,17 +97,19 @@ def send_pages(
     return set(failed)
 
 
-def forget(worker: Any, rid: str) -> None:
+def forget(worker: Any, rid: str) -> bool:
     """A request aborted or stopped by its client: its room goes (a decode engine tells the
-    prefill side to send nothing)."""
+    prefill side to send nothing). True if the rooms keep its slots a while (the caller must
+    not free them): pages may still be on their way into them."""
     pd = worker.pd
     if isinstance(pd, DecodeRooms):
-        pd.cancel(rid, worker.scheduler)
-    else:
-        pd.abandon(rid)
+        return pd.cancel(rid, worker.scheduler)
+    pd.abandon(rid)
+    return False
 
 
-def _fail(worker: Any, rid: str, why: str, code: int) -> None:
-    worker.scheduler.abort(rid)
+def _fail(worker: Any, rid: str, why: str, code: int, abort: bool = True) -> None:
+    if abort:
+        worker.scheduler.abort(rid)
     if worker.live.pop(rid, None) is not None:
         worker.push.send_pyobj(error_out(rid, why, code))

@@ -77,11 +77,12 @@ class Worker:
             if self.pd is not None:
                 pd_worker.on_peer(self, msg)
         elif isinstance(msg, (AbortReq, StopReq)):
-            if self.pd is not None:
-                pd_worker.forget(self, msg.rid)
+            held = self.pd is not None and pd_worker.forget(self, msg.rid)
             if self.storage is not None:  # waiting on its prefetch: not handed back
                 self.storage.cancel(msg.rid)
-            if isinstance(msg, AbortReq):
+            if held:  # the rooms free it once no page can land in its slots
+                pass
+            elif isinstance(msg, AbortReq):
                 self.scheduler.abort(msg.rid)
             else:
                 self.scheduler.finish(msg.rid, FinishReason.STOP)
