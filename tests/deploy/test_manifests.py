@@ -160,3 +160,27 @@ def test_each_server_listens_on_its_container_port() -> None:
             ports = [int(a.split("=")[1]) for a in argv if re.match(r"--(port|rpc_port)=", a)]
             declared = {p["containerPort"] for p in c.get("ports", [])}
             assert set(ports) <= declared, f"{where}: listens on {ports}, declares {declared}"
+
+
+def test_scraped_pods_name_the_jobs_the_dashboard_reads() -> None:
+    """deploy/grafana/prometheus-kubernetes.yml names each job radixserve-<component>: the
+    dashboard's router_job and engine_job defaults are components annotated for scraping."""
+    dash = json.loads((ROOT / "deploy/grafana/dashboards/radixserve.json").read_text())
+    wanted = {
+        v["current"]["value"] for v in dash["templating"]["list"] if v["name"].endswith("_job")
+    }
+    scraped = {}
+    for _, d in workloads():
+        meta = d["spec"]["template"]["metadata"]
+        if meta.get("annotations", {}).get("prometheus.io/scrape") == "true":
+            port = int(meta["annotations"]["prometheus.io/port"])
+            ports = {p["containerPort"] for c in d["spec"]["template"]["spec"]["containers"]
+                     for p in c.get("ports", [])}  # fmt: skip
+            assert port in ports, f"{d['metadata']['name']} is scraped on {port}, not a port"
+            scraped["radixserve-" + meta["labels"]["app.kubernetes.io/component"]] = port
+    assert wanted <= set(scraped)
+    config = yaml.safe_load((ROOT / "deploy/grafana/prometheus-kubernetes.yml").read_text())
+    [job] = config["scrape_configs"]
+    naming = [r for r in job["relabel_configs"] if r.get("target_label") == "job"]
+    assert naming == [{"source_labels": ["__meta_kubernetes_pod_label_app_kubernetes_io_component"],
+                       "replacement": "radixserve-$1", "target_label": "job"}]  # fmt: skip

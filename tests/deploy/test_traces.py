@@ -141,6 +141,16 @@ def test_one_trace_from_client_through_router_to_sim_engine(receiver):
         upstream = one(receiver.spans, "radixserve.route.upstream", route.trace_id)
         check_engine(engine, meta, upstream.span_id)
 
+        # a client's unsampled traceparent (flags 00): neither router nor engine records it,
+        # as a sampled one sent after it shows once its spans are in
+        unsampled, sampled = "6bf92f3577b34da6a3ce929d0e0e4738", "7bf92f3577b34da6a3ce929d0e0e4739"
+        post(router.addr, body, f"00-{unsampled}-00f067aa0ba902b9-00")
+        meta, _ = post(router.addr, body, f"00-{sampled}-00f067aa0ba902ba-01")
+        engine_spans(receiver, sampled)
+        receiver.wait(lambda ss: any(s.name == "radixserve.route" and s.trace_id == sampled
+                                     for s in ss), "the sampled trace's route span")  # fmt: skip
+        assert not [s for s in receiver.spans if s.trace_id == unsampled]
+
         # a router that does not trace passes the client's traceparent on to the engine
         routers.append(RouterProc([worker.url]))
         wait_routable(routers[1], worker.url)

@@ -37,6 +37,8 @@ class RouteTrace:
     def dispatched(self, worker: Any, policy: Any, attempt: int) -> bytes:
         """Record the decision (the policy has counted its expected hit by now) and open the
         attempt's span; returns the header line that carries it to the worker."""
+        if not self.root.is_recording():  # sampled out: the worker is told so, nothing recorded
+            return b"traceparent: " + self.tracer.traceparent(self.root).encode() + b"\r\n"
         attrs: dict[str, Any] = {
             "radixserve.routing.policy": self.policy, "radixserve.routing.worker": worker.url,
             "radixserve.routing.worker_id": worker.id, "radixserve.routing.attempt": attempt,
