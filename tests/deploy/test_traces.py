@@ -212,3 +212,15 @@ def test_endpoint_without_enable_trace_is_refused(command):
                           "--otlp-traces-endpoint", "127.0.0.1:4318"],
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert run.returncode == 2 and "--otlp-traces-endpoint needs --enable-trace" in run.stderr
+
+
+def test_nothing_imports_opentelemetry_without_enable_trace():
+    """The core install (no trace extra) runs router and engine: no module of theirs imports
+    the OpenTelemetry SDK or exporter (the API alone comes with FastAPI)."""
+    code = ("import sys; sys.modules['opentelemetry.sdk'] = None\n"
+            "sys.modules['opentelemetry.exporter'] = None\n"
+            "import radixserve.router.proxy.app, radixserve.router.proxy.cli\n"
+            "import radixserve.server.app, radixserve.server.cli, radixserve.engine.scheduler_proc\n"
+            "from radixserve.cli import build_parser; build_parser().parse_args(['route'])")  # fmt: skip
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
