@@ -289,6 +289,12 @@ class ModelConfig:
         ge=1,
     )
     disable_cuda_graph: bool = _f(False, "run every decode step kernel by kernel on a CUDA device")
+    tp_size: int = _f(
+        1,
+        "tensor parallelism: split the model over this many processes (one per device on "
+        "CUDA, NCCL; CPU processes share the cores, gloo): heads and MLP columns by rank",
+        ge=1,
+    )
     num_threads: int = _f(
         0,
         "torch CPU threads of the model (0: OMP_NUM_THREADS if set, else one per core; on a "

@@ -59,11 +59,24 @@ class EngineConfig:
             if self.sim is None:
                 raise ValueError("--sim-kv-store needs --sim (a real engine writes real pages)")
             object.__setattr__(self, "sim_kv_store", parse_sim_store(self.sim_kv_store))
+        self._check_tp()
         if self.cache.hicache_storage_backend is not None:
             if self.sim is not None:
                 raise ValueError("--hicache-storage-backend needs a real model (a simulated "
                                  "engine has no KV bytes; see --sim-kv-store)")  # fmt: skip
             self.storage_settings()  # a bad extra-config is one line before any process starts
+
+    def _check_tp(self) -> None:
+        """What --tp-size > 1 does not run with yet: one line before any process starts."""
+        if self.model.tp_size == 1:
+            return
+        if self.sim is not None:
+            raise ValueError("--tp-size needs a real model (a simulated engine has no weights)")
+        if self.disagg.enabled:
+            raise ValueError("--tp-size > 1 with --disaggregation-mode is not supported")
+        if self.cache.hicache_storage_backend is not None:
+            raise ValueError("--tp-size > 1 with --hicache-storage-backend is not supported "
+                             "(the host tier is: each rank keeps its own)")  # fmt: skip
 
     def storage_settings(self) -> Any:
         """The storage tier's settings (engine.storage_tier.StorageSettings), or None."""
@@ -148,7 +161,12 @@ class EngineConfig:
         from radixserve.model.load_ratio import measure_load_sample, sample_ratio
         from radixserve.model.runner import TorchRunner
 
-        runner = TorchRunner(self.model, self.cache.max_total_tokens)
+        if self.model.tp_size > 1:
+            from radixserve.engine.tp_ranks import TPRunner
+
+            runner = TPRunner(self.model, self.cache.max_total_tokens)
+        else:
+            runner = TorchRunner(self.model, self.cache.max_total_tokens)
         # what a kv_aware router charges for KV this engine loads instead of computing: a
         # prefill and a host -> device copy timed once here (only where there is a lower tier
         # to load from: it costs two 1,024-token prefills), then running means while it serves
@@ -160,6 +178,8 @@ class EngineConfig:
                 "dtype": str(runner.dtype).removeprefix("torch."),
                 "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch."),
                 "attention_backend": runner.backend.name,
+                "tp_size": self.model.tp_size,
+                "tp_rank_pids": getattr(runner, "rank_pids", []),
                 "kv_load_sample": sample, "kv_load_to_prefill_ratio": sample_ratio(sample)}  # fmt: skip
         return runner, self.cache, info
 
@@ -181,7 +201,8 @@ class EngineProcesses:
     def why_dead(self) -> str | None:
         for p in self.procs:
             if not p.is_alive():
-                return f"{p.name} exited with code {p.exitcode}"
+                note = self.endpoints.death_note()  # what the process said as it went
+                return f"{p.name} exited with code {p.exitcode}" + (f" ({note})" if note else "")
         return None
 
     def shutdown(self) -> None:

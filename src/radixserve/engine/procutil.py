@@ -23,10 +23,22 @@ class Endpoints:
         base = os.path.join(tempfile.gettempdir(), f"radixserve-{uuid.uuid4().hex[:12]}")
         return cls(f"ipc://{base}-sched", f"ipc://{base}-detok", f"ipc://{base}-tm")
 
+    @property
+    def died(self) -> str:
+        """A file where a child process that stops the engine on purpose says why."""
+        return self.sched.removeprefix("ipc://").removesuffix("-sched") + "-died"
+
+    def death_note(self) -> str | None:
+        try:
+            with open(self.died) as f:
+                return f.read().strip() or None
+        except OSError:
+            return None
+
     def cleanup(self) -> None:
-        for ep in (self.sched, self.detok, self.tm):
+        for path in (self.sched, self.detok, self.tm, self.died):
             try:
-                os.unlink(ep.removeprefix("ipc://"))
+                os.unlink(path.removeprefix("ipc://"))
             except OSError:
                 pass
 

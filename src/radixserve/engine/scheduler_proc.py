@@ -317,6 +317,8 @@ def run_scheduler(engine_config: Any, endpoints: Endpoints, ready: Any, parent_p
     exit_with_parent(parent_pid)
     try:
         runner, scheduler, info = engine_config.build_worker()
+        if hasattr(runner, "death_note"):  # tensor-parallel ranks: why_dead tells the server
+            runner.death_note = endpoints.died
         ctx = zmq.Context()
         pull = ctx.socket(zmq.PULL)
         pull.bind(endpoints.sched)
@@ -416,4 +418,6 @@ def _host_pool(runner: Any, scheduler: Scheduler) -> Any:
         return None
     from radixserve.model.host_pool import HostKVPool
 
+    if hasattr(runner, "open_host_tier"):  # tensor-parallel: every rank keeps its own
+        runner.open_host_tier(host.total)
     return HostKVPool(pool, host.total)

@@ -17,6 +17,7 @@ from radixserve.model.attention.plan import StepPlan
 from radixserve.model.attention.torch_gather import TorchGather
 from radixserve.model.kernels import MAX_ROPE_DIM, CpuKernels, PackedWeight
 from radixserve.model.kv_pool import KVPool
+from radixserve.model.tp import TPShard, shard_arch
 
 
 class Linear:
@@ -75,10 +76,14 @@ class LlamaModel:
         backend: AttentionBackend | None = None,
         kv_dtype: torch.dtype | None = None,
         kernels: CpuKernels | None = None,
+        tp: TPShard | None = None,
     ) -> None:
         """``kernels``: radixserve's CPU kernels for the linear layers (float32 on a CPU only;
-        None: PyTorch's)."""
-        self.arch = arch
+        None: PyTorch's). ``tp``: this rank's shard (``model/tp.py``); ``arch`` is then the
+        shape this rank computes (its heads and MLP columns)."""
+        self.tp = tp or TPShard()
+        self.full_arch = arch
+        self.arch = shard_arch(arch, self.tp.size)
         self.dtype = dtype
         self.kv_dtype = kv_dtype or dtype
         self.device = device
@@ -97,9 +102,11 @@ class LlamaModel:
             raise ValueError("radixserve's CPU kernels compute float32 on a CPU only")
         # the LM head (the largest matmul of a decode step) packed once, for our kernel or for
         # oneDNN as vLLM-CPU does (oneDNN: about 2x MKL's F.linear at 8-32 rows on AVX2)
-        self.lm_head_linear = Linear("lm_head", self.lm_head, None, onednn, kernels)
+        self.lm_head_linear = (
+            Linear("lm_head", self.lm_head, None, onednn, kernels) if self.tp.lm_head else None
+        )
         self.layers = [
-            _layer(tensors, f"model.layers.{i}.", get, onednn, kernels)
+            _layer(tensors, f"model.layers.{i}.", get, onednn, kernels, self.tp)
             for i in range(arch.num_layers)
         ]
         factors = tensors.get("rope_freqs")
@@ -144,6 +151,8 @@ class LlamaModel:
         return self._lm_head(self._rms_norm(hidden, self.norm)).float()
 
     def _lm_head(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lm_head_linear is None:
+            raise RuntimeError(f"tensor-parallel rank {self.tp.rank} computes no logits")
         return self.lm_head_linear(x)
 
     def _layer_forward(
@@ -165,9 +174,9 @@ class LlamaModel:
         q, k = qk[:, : a.num_heads], qk[:, a.num_heads :]
         v = qkv[:, qk_width:].view(rows, a.num_kv_heads, a.head_dim)
         kv.write(index, plan.write_slots, k, v)
-        x = x + w.o(self.backend.attend(q, k, v, plan, kv, index))
+        x = x + self.tp.all_reduce(w.o(self.backend.attend(q, k, v, plan, kv, index)))
         gate, up = w.gate_up(self._rms_norm(x, w.post_norm)).chunk(2, dim=-1)
-        return x + w.down(F.silu(gate) * up)
+        return x + self.tp.all_reduce(w.down(F.silu(gate) * up))
 
     def _layer_forward_fused(
         self,
@@ -196,8 +205,8 @@ class LlamaModel:
         kk = qkv[:, q_end:k_end].view(rows, a.num_kv_heads, a.head_dim)
         v = qkv[:, k_end:].view(rows, a.num_kv_heads, a.head_dim)
         attn = self.backend.attend(q, kk, v, plan, kv, index)
-        h = k.rms_norm(x, w.post_norm, eps, add=w.o(attn))  # x += o(attn), in place
-        return x.add_(w.down(k.silu_mul(w.gate_up(h))))
+        h = k.rms_norm(x, w.post_norm, eps, add=self.tp.all_reduce(w.o(attn)))  # x += o(attn)
+        return x.add_(self.tp.all_reduce(w.down(k.silu_mul(w.gate_up(h)))))
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # one fused op; the same arithmetic as below
@@ -222,14 +231,19 @@ def _layer(
     get: Callable[[str], torch.Tensor],
     onednn: bool = False,
     kernels: CpuKernels | None = None,
+    tp: TPShard | None = None,
 ) -> LayerWeights:
+    """One layer's weights, fused, of this rank's shard: q/k/v and gate/up by output rows
+    (whole heads, a block of MLP columns), o and down by input columns; o's bias on rank 0 only,
+    as the ranks' partial outputs are summed."""
     attn = prefix + "self_attn."
     mlp = prefix + "mlp."
+    tp = tp or TPShard()
 
     def cat(*names: str) -> torch.Tensor | None:
         if any(n not in tensors for n in names):
             return None
-        return torch.cat([get(n) for n in names])
+        return torch.cat([tp.rows(get(n)) for n in names])
 
     proj = [f"{attn}{p}_proj" for p in "qkv"]
     qkv = cat(*(p + ".weight" for p in proj))
@@ -240,9 +254,9 @@ def _layer(
     return LayerWeights(
         input_norm=get(prefix + "input_layernorm.weight"),
         qkv=Linear("qkv proj", qkv, cat(*(p + ".bias" for p in proj)), onednn, kernels),
-        o=Linear("o proj", get(attn + "o_proj.weight"),
-                 get(o_bias) if o_bias in tensors else None, onednn, kernels),
+        o=Linear("o proj", tp.cols(get(attn + "o_proj.weight")),
+                 get(o_bias) if o_bias in tensors and tp.rank == 0 else None, onednn, kernels),
         post_norm=get(prefix + "post_attention_layernorm.weight"),
         gate_up=Linear("mlp", gate_up, None, onednn, kernels),
-        down=Linear("mlp", get(mlp + "down_proj.weight"), None, onednn, kernels),
+        down=Linear("mlp", tp.cols(get(mlp + "down_proj.weight")), None, onednn, kernels),
     )  # fmt: skip

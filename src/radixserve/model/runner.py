@@ -25,6 +25,7 @@ from radixserve.model.loader import load_weights
 from radixserve.model.logits_process import process_logits
 from radixserve.model.logprobs import prompt_logprobs, sampled_logprobs
 from radixserve.model.sampler import Sampler
+from radixserve.model.tp import TPShard, tp_problem
 from radixserve.modelfiles.locate import model_name, resolve_model_dir
 from radixserve.modelfiles.tokenizer import ModelInfo, load_model_info
 from radixserve.sched.batch import Batch, BatchEntry, EntryLogprobs, StepResult
@@ -36,11 +37,17 @@ logger = logging.getLogger(__name__)
 class TorchRunner:
     """Runs Batches on a Llama-family model; ``num_slots`` is the scheduler's KV pool size."""
 
-    def __init__(self, model_config: ModelConfig, num_slots: int) -> None:
+    def __init__(
+        self, model_config: ModelConfig, num_slots: int, tp: TPShard | None = None
+    ) -> None:
+        """``tp``: the shard of the model this process computes (one rank of ``--tp-size``;
+        the whole model by default)."""
         self.config = model_config
+        self.tp = tp or TPShard()
         self.device = torch.device(model_config.device)
-        if self.device.type == "cpu":
-            torch.set_num_threads(model_config.num_threads or default_num_threads())
+        if self.device.type == "cpu":  # the ranks of one machine share its cores
+            threads = model_config.num_threads or max(1, default_num_threads() // self.tp.size)
+            torch.set_num_threads(threads)
         self.dtype, self.kv_dtype = resolve_dtypes(
             model_config.dtype, model_config.kv_cache_dtype, model_config.device
         )
@@ -54,9 +61,11 @@ class TorchRunner:
             model_dir, model_config.context_length, model_name(model_config)
         )
         arch = read_arch(model_dir)
+        if problem := tp_problem(arch, self.tp.size):
+            raise ValueError(problem)
         self.model = LlamaModel(
             arch, load_weights(model_dir), self.dtype, self.device, self.backend, self.kv_dtype,
-            self.kernels,
+            self.kernels, self.tp,
         )  # fmt: skip
         graphs = self._use_graphs(model_config)
         self.kv = self.model.new_kv_pool(num_slots, scratch=graphs)
@@ -85,8 +94,8 @@ class TorchRunner:
     def _use_graphs(self, config: ModelConfig) -> bool:
         """CUDA graphs for decode steps: on a CUDA device, unless turned off, with a backend
         that reads the padded decode layout (every GPU backend this engine has)."""
-        if self.device.type != "cuda" or config.disable_cuda_graph:
-            return False
+        if self.device.type != "cuda" or config.disable_cuda_graph or self.tp.size > 1:
+            return False  # (a graph would capture the ranks' all-reduces: not done yet)
         return self.backend.name in GRAPH_BACKENDS
 
     @property
@@ -149,6 +158,14 @@ class TorchRunner:
         firsts = [r - len(e.token_ids) + 1 for r, e in zip(plan.last_rows, batch.entries)]
         prompt = prompt_logprobs(hidden, firsts, batch.entries, self.model.logits)
         return self.model.logits(hidden.index_select(0, index)), prompt
+
+    @torch.inference_mode()
+    def forward_shard(self, batch: Batch) -> None:
+        """A rank other than 0's part of a step: its heads' K/V written, its share of every
+        layer all-reduced with the other ranks; no logits (rank 0 samples)."""
+        if batch.entries:
+            self._check_bounds(batch)
+            self.model.forward(self.backend.plan(batch.entries, self.device, self.dtype), self.kv)
 
     def _check_bounds(self, batch: Batch) -> None:
         for e in batch.entries:
