@@ -20,6 +20,7 @@ import pickle
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from datetime import timedelta
 from pathlib import Path
@@ -157,11 +158,24 @@ class TPRunner:
         while (dead := self._dead()) is None:
             if self.closing.wait(WATCH_INTERVAL_S):
                 return
+        self._stop(dead)
+
+    def _stop(self, dead: str) -> None:
         message = f"{dead}: the engine stops"
         print(f"radixserve: {message}", file=sys.stderr, flush=True)
         if self.death_note is not None:
             Path(self.death_note).write_text(message)
         os._exit(1)
+
+    def _failed(self, error: RuntimeError) -> None:
+        """A collective that failed (a peer's socket closed, a timeout): said as the rank
+        that exited, once the process is seen gone; otherwise the error as it is."""
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            if dead := self._dead():
+                self._stop(dead)
+            time.sleep(0.05)
+        raise error
 
     def _send(self, op: str, arg: Any) -> None:
         for sock in self.socks:
@@ -169,11 +183,19 @@ class TPRunner:
 
     def run(self, batch: Batch) -> StepResult:
         self._send("run", batch)
-        return self.local.run(batch)
+        try:
+            return self.local.run(batch)
+        except RuntimeError as e:
+            self._failed(e)
+            raise
 
     def logits(self, batch: Batch) -> Any:
         self._send("run", batch)
-        return self.local.logits(batch)
+        try:
+            return self.local.logits(batch)
+        except RuntimeError as e:
+            self._failed(e)
+            raise
 
     def open_host_tier(self, num_slots: int) -> None:
         """Every rank keeps a host tier of ``num_slots`` slots of its own heads' K/V and runs
