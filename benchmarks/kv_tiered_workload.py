@@ -38,11 +38,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+from _fleet import Router, sse_events
 from _machine import machine_line
 from kv_tier_ttft import BYTES_PER_TOKEN, CHUNK, tokens
 from mooncake_harness import MooncakeCluster, backend_ports
 from server_harness import ServerProcess
-from vllm_fleet import Router, sse_events
 
 EVENTS = json.dumps({"endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*"})
 TIERS = ("device", "host", "storage")

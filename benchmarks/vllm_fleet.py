@@ -24,121 +24,27 @@ take these HTTP servers' ZMQ events, and is not run. Timings never fail anything
 from __future__ import annotations
 
 import argparse
-import http.client
-import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
-from _machine import machine_line, stop_process
+from _fleet import Chat, Router, Streamed, run_turns, stream
+from _machine import machine_line
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 import vllm_harness  # noqa: E402
-from vllm_harness import VllmServer, free_port, vllm_model_dir  # noqa: E402
+from vllm_harness import VllmServer, vllm_model_dir  # noqa: E402
 
 DEFAULT_PYTHON = "/work/venvs/vllm26/bin/python"
 DEFAULT_MODEL = "/work/venvs/vllm26-model/smollm2-135m-instruct-hf"
 POLICIES = ("round_robin", "cache_aware", "kv_aware", "smg")
 HITS, QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
-
-
-# ----- routers -----
-
-
-class Router:
-    """`radixserve route --policy POLICY` or `smg launch --policy cache_aware` on a free port."""
-
-    def __init__(self, policy: str, urls: list[str], smg: str) -> None:
-        self.policy, port = policy, free_port()
-        self.host, self.port = "127.0.0.1", port
-        common = ["--worker-urls", *urls, "--host", "127.0.0.1", "--port", str(port)]
-        if policy == "smg":
-            metrics = ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
-            cmd = [smg, "launch", *common, "--policy", "cache_aware", *metrics]
-            cmd += ["--log-level", "warn"]
-            ready = "/health"
-        else:
-            cmd = [sys.executable, "-m", "radixserve", "route", *common, "--policy", policy]
-            cmd += ["--log-level", "warning", "--health-check-interval-secs", "1"]
-            ready = "/liveness"
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     text=True, start_new_session=True)  # fmt: skip
-        self._wait(lambda: call(self.port, "GET", ready)[0] == 200, f"{policy} ready")
-        if policy == "kv_aware":  # both publishers followed before the first request
-            self._wait(self._following, "kv_aware following both workers' KV events")
-
-    def _following(self) -> bool:
-        status, body = call(self.port, "GET", "/metrics")
-        lines = body.decode().splitlines() if status == 200 else []
-        on = [ln for ln in lines if ln.startswith("radixserve_router_worker_kv_events_following")]
-        return len(on) == 2 and all(ln.endswith(" 1.0") for ln in on)
-
-    def _wait(self, check: Any, what: str, timeout: float = 90.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                err = self.proc.stderr.read() if self.proc.stderr else ""
-                raise RuntimeError(f"{self.policy} exited: {err[-2000:]}")
-            try:
-                if check():
-                    return
-            except OSError:
-                pass
-            time.sleep(0.3)
-        self.stop()
-        raise RuntimeError(f"timed out waiting for {what}")
-
-    def stop(self) -> None:
-        stop_process(self.proc)
-
-
-def call(port: int, method: str, path: str, body: Any = None) -> tuple[int, bytes]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-    try:
-        data = None if body is None else json.dumps(body).encode()
-        conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        return resp.status, resp.read()
-    finally:
-        conn.close()
-
-
-def sse_events(port: int, path: str, body: dict, timeout_s: float = 300.0) -> Iterator[dict]:
-    """POST ``body`` to a streaming endpoint; each server-sent ``data:`` event, parsed."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
-    try:
-        conn.request("POST", path, body=json.dumps(body).encode(),
-                     headers={"Content-Type": "application/json"})  # fmt: skip
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise RuntimeError(f"{path} answered {resp.status}: {resp.read()[:300]!r}")
-        while line := resp.readline():
-            line = line.strip()
-            if line.startswith(b"data:") and line != b"data: [DONE]":
-                yield json.loads(line[5:])
-    finally:
-        conn.close()
-
-
-def stream(port: int, path: str, body: dict) -> tuple[float, str]:
-    """POST a streamed completion; (seconds to the first generated text, the whole text)."""
-    t0 = time.perf_counter()
-    ttft, parts = None, []
-    for event in sse_events(port, path, {**body, "stream": True}):
-        for choice in event.get("choices", []):
-            text = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
-            if text and ttft is None:
-                ttft = time.perf_counter() - t0
-            parts.append(text)
-    return (ttft if ttft is not None else time.perf_counter() - t0), "".join(parts)
 
 
 # ----- workloads -----
@@ -172,23 +78,24 @@ def run_chat(port: int, args: argparse.Namespace, pool: ThreadPoolExecutor) -> l
     chats = [[{"role": "system", "content": "You are a concise assistant."},
               {"role": "user", "content": f"Read this: {document(f'chat{c}', args.prefix_words // 2)}"
                f"\nWhat is it about?"}] for c in range(args.conversations)]  # fmt: skip
-    return run_turns(port, pool, chats, args.turns, args.max_tokens * 4, "Turn {}: and then?")
+    replies = run_turns(port, pool, chats, args.turns, chat_body(args.max_tokens * 4),
+                        follow_up("Turn {}: and then?"))  # fmt: skip
+    return [r.ttft for r in replies]
 
 
-def run_turns(port: int, pool: ThreadPoolExecutor, chats: list[list[dict]], turns: int,
-              max_tokens: int, follow_up: str) -> list[float]:  # fmt: skip
-    """`turns` waves over `chats`: each chat sent as it stands, then the answer and a new user
-    message (`follow_up` with the turn number) appended; every request's TTFT."""
-    ttfts: list[float] = []
-    for turn in range(turns):
-        bodies = [{"model": "smollm2", "messages": list(m), "max_tokens": max_tokens,
-                   "temperature": 0} for m in chats]  # fmt: skip
-        results = list(pool.map(lambda b: stream(port, "/v1/chat/completions", b), bodies))
-        for c, (ttft, answer) in enumerate(results):
-            ttfts.append(ttft)
-            chats[c] += [{"role": "assistant", "content": answer or "."},
-                         {"role": "user", "content": follow_up.format(turn + 1)}]  # fmt: skip
-    return ttfts
+def follow_up(text: str) -> Callable[[int, Chat, Streamed, int], None]:
+    """Each turn appends the answer and a new user message (`text` with the turn number)."""
+
+    def extend(c: int, chat: Chat, reply: Streamed, turn: int) -> None:
+        chat += [{"role": "assistant", "content": reply.text or "."},
+                 {"role": "user", "content": text.format(turn + 1)}]  # fmt: skip
+
+    return extend
+
+
+def chat_body(max_tokens: int) -> Callable[[Chat], dict]:
+    return lambda m: {"model": "smollm2", "messages": m, "max_tokens": max_tokens,
+                      "temperature": 0}  # fmt: skip
 
 
 AGENT = (
@@ -214,7 +121,9 @@ def run_agent_chat(port: int, args: argparse.Namespace, pool: ThreadPoolExecutor
     chats = [[{"role": "system", "content": AGENT},
               {"role": "user", "content": f"History: {document(f'order{c}', args.agent_words)}."
                f" Where is my order?"}] for c in range(args.agents)]  # fmt: skip
-    return run_turns(port, pool, chats, args.agent_turns, args.max_tokens * 3, "And item {}?")
+    replies = run_turns(port, pool, chats, args.agent_turns, chat_body(args.max_tokens * 3),
+                        follow_up("And item {}?"))  # fmt: skip
+    return [r.ttft for r in replies]
 
 
 def run_workload(name: str, port: int, args: argparse.Namespace) -> list[float]:
@@ -224,7 +133,7 @@ def run_workload(name: str, port: int, args: argparse.Namespace) -> list[float]:
         if name == "agent-chat":
             return run_agent_chat(port, args, pool)
         [wave] = shared_prefix(args)
-        return [t for t, _ in pool.map(lambda req: stream(port, *req), wave)]
+        return [r.ttft for r in pool.map(lambda req: stream(port, *req), wave)]
 
 
 # ----- measuring -----
