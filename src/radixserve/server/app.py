@@ -182,8 +182,10 @@ def _admin_routes(state: ServerState) -> APIRouter:
                 "context_length": state.tm.context_length,
                 "vocab_size": info.get("vocab_size"),
                 "max_total_tokens": info.get("max_total_tokens"),
-                # what a kv_aware router needs to tokenize exactly as this server does
-                "tokenizer_fingerprint": state.engine.tokenizer.fingerprint()}  # fmt: skip
+                # what a kv_aware router needs to tokenize exactly as this server does,
+                # chats with tools included (the format of its default tools prompt)
+                "tokenizer_fingerprint": state.engine.tokenizer.fingerprint(),
+                "tool_call_parser": state.tool_parser}  # fmt: skip
 
     @router.get("/get_server_info")
     async def server_info() -> dict[str, Any]:

@@ -171,3 +171,37 @@ def test_behind_vllm_workers_a_chat_is_rendered_as_vllm_renders_it():
     assert kv.tokenized(CHATS[0], view)[0].token_ids == prompt_ids(CHATS[0], tok)
     assert asyncio.run(kv.admit("w0", "http://w0", fetch, "vllm"))
     assert kv.tokenized(CHATS[0], view)[0].token_ids == prompt_ids(plain, tok)
+
+
+def fetcher(server: ServerProcess):
+    async def fetch(path: str) -> dict | None:
+        reply = server.get(path)
+        return reply.json() if reply.status == 200 else None
+
+    return fetch
+
+
+def test_the_router_renders_tools_in_the_format_each_worker_says_and_refuses_a_mix(smollm2):
+    """A worker started with --tool-call-parser hermes writes its default tools prompt in
+    hermes's format, and says so in /get_model_info: a kv_aware router admitting it renders
+    chats with tools the same way (its /tokenize agrees). A worker that renders otherwise
+    (SmolLM2's own format, or vLLM's transformers form) is refused, saying why."""
+    hermes = ServerProcess(["--max-total-tokens", "4096", "--tool-call-parser", "hermes"])
+    try:
+        assert hermes.get("/get_model_info").json()["tool_call_parser"] == "hermes"
+        kv = KvRouting(KvAwarePolicy(), subscribe=False)
+        assert asyncio.run(kv.admit("w0", hermes.url, fetcher(hermes), "radixserve"))
+        view = RequestView.from_prompt(None, None, "m", "", "")
+        for body in CHATS:
+            ids = kv.tokenized(body, view)[0].token_ids
+            assert ids == engine_tokens(hermes, body) != engine_tokens(smollm2, body)
+        assert not asyncio.run(kv.admit("w1", smollm2.url, fetcher(smollm2), "radixserve"))
+        assert "--tool-call-parser smollm2" in kv.refused[smollm2.url]
+        assert "--tool-call-parser hermes" in kv.refused[smollm2.url]
+        assert not asyncio.run(kv.admit("w2", "http://v", fetcher(hermes), "vllm"))
+        assert "vllm" in kv.refused["http://v"]
+        asyncio.run(kv.forget("w0"))  # the fleet is empty: the next worker sets the way
+        assert asyncio.run(kv.admit("w1", smollm2.url, fetcher(smollm2), "radixserve"))
+        assert kv.tokenized(CHATS[1], view)[0].token_ids == engine_tokens(smollm2, CHATS[1])
+    finally:
+        hermes.stop()

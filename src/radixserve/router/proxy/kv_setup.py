@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from radixserve.chat.prompt import ChatError, template_inputs, transformers_inputs
-from radixserve.chat.tool_parsers import get_tool_parser, parser_for_template
+from radixserve.chat.tool_parsers import get_tool_parser, knows_tools, parser_for_template
 from radixserve.router.kvindex.subscriber import EventPlane
 from radixserve.router.policies.base import RequestView, RouterPolicy
 from radixserve.router.policies.kv_aware import KvAwarePolicy
@@ -32,6 +32,11 @@ log = logging.getLogger("radixserve.router")
 
 Fetch = Callable[[str], Awaitable[dict[str, Any] | None]]
 """GET a worker path; the JSON object, or None when the worker cannot answer."""
+
+Rendering = tuple[str, str | None]
+"""How a worker renders a chat with tools: its engine kind (radixserve, vllm, sglang) and, on
+ours, the tool-call format its default tools prompt is written in (None: as the template implies;
+a template that renders tools itself needs none)."""
 
 
 class Tokenizer(Protocol):
@@ -61,8 +66,9 @@ def load_tokenizer(path: str, vocab_size: int | None = None) -> Tokenizer:
 
 
 def prompt_ids(
-    payload: dict[str, Any], tok: Tokenizer, engine: str = "radixserve"
-) -> list[int] | None:
+    payload: dict[str, Any], tok: Tokenizer, engine: str = "radixserve",
+    tool_parser: str | None = None,
+) -> list[int] | None:  # fmt: skip
     """The token ids a worker computes for this request body, as the engine's tokenizer
     manager does: token ids as they are, chat messages through the chat template (no special
     tokens added), text encoded with them. None when the body has no prompt the router can
@@ -71,7 +77,7 @@ def prompt_ids(
     if prompt.ids is not None:
         return prompt.ids
     if prompt.messages is not None:
-        text = render_chat(tok, prompt, engine)
+        text = render_chat(tok, prompt, engine, tool_parser)
         return None if text is None else tok.encode(text, add_special_tokens=False)
     return tok.encode(prompt.text) if prompt.text else None
 
@@ -80,7 +86,9 @@ CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 """Appended to the last message to find where its content ends in the rendered chat."""
 
 
-def render_chat(tok: Tokenizer, prompt: Prompt, engine: str = "radixserve") -> str | None:
+def render_chat(
+    tok: Tokenizer, prompt: Prompt, engine: str = "radixserve", tool_parser: str | None = None
+) -> str | None:
     """A chat prompt as text, as vLLM renders it (through HF transformers' apply_chat_template):
     with ``continue_final_message`` the text ends right after the last message's content (no
     end of turn, no generation prompt), found by rendering it with a marker appended and
@@ -88,7 +96,7 @@ def render_chat(tok: Tokenizer, prompt: Prompt, engine: str = "radixserve") -> s
     message leaves its turn's header open, as vLLM renders it). None where the worker refuses
     the request (the template drops the last message, or cannot render its tools)."""
     try:
-        messages, extra = chat_inputs(tok, prompt, engine)
+        messages, extra = chat_inputs(tok, prompt, engine, tool_parser)
     except ChatError:
         return None
     if not prompt.continue_final_message:
@@ -105,17 +113,17 @@ def render_chat(tok: Tokenizer, prompt: Prompt, engine: str = "radixserve") -> s
 
 
 def chat_inputs(
-    tok: Tokenizer, prompt: Prompt, engine: str = "radixserve"
+    tok: Tokenizer, prompt: Prompt, engine: str = "radixserve", tool_parser: str | None = None
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The messages and template variables (tools, chat_template_kwargs) the workers render
     the chat with, through the same pure code (radixserve.chat): on radixserve, tools in the
-    template where it knows them, else in the default form of the tool-call format the template
-    implies (the server's --tool-call-parser auto); on vLLM or SGLang (`engine`), as
-    transformers hands them to the template."""
+    template where it knows them, else in the default form of the workers' tool-call format
+    (`tool_parser`; None: the one the template implies, as --tool-call-parser auto); on vLLM or
+    SGLang (`engine`), as transformers hands them to the template."""
     if engine != "radixserve":
         return transformers_inputs(prompt.messages or [], prompt.tools, prompt.template_kwargs)
     template = getattr(tok, "chat_template", None)
-    name = parser_for_template(template)
+    name = tool_parser or parser_for_template(template)
     parser = get_tool_parser(name) if name else None
     return template_inputs(prompt.messages or [], prompt.tools, template, parser,
                            prompt.template_kwargs)  # fmt: skip
@@ -142,7 +150,8 @@ class KvRouting:
         self.refused: dict[str, str] = {}  # worker url -> why
         self.tokenize_errors = 0
         self.tokenize_timeouts = 0  # prompts routed untokenized: the tokenizer took too long
-        self.engine = "radixserve"  # whose chat rendering (tools) the workers follow
+        self.rendering: Rendering | None = None  # the one way the admitted workers render
+        self._renderings: dict[str, Rendering] = {}  # worker id -> how it renders
         if tokenizer_path:
             self._adopt(load_tokenizer(tokenizer_path))
 
@@ -152,12 +161,13 @@ class KvRouting:
 
     async def admit(self, worker_id: str, url: str, fetch: Fetch, kind: str | None = None) -> bool:
         """Check a new worker's tokenizer (adopting it if the router has none yet) and start
-        its event subscriber. False: the worker tokenizes differently and must be refused. A
-        vLLM or SGLang worker (`kind`) renders tools as transformers does: chats are rendered so."""
-        if kind in ("vllm", "sglang"):
-            self.engine = kind
+        its event subscriber. False: the worker tokenizes or renders chats with tools
+        differently and must be refused. A vLLM or SGLang worker (`kind`) renders tools as
+        transformers does, ours as its tool-call format (/get_model_info) says."""
         info = await fetch("/get_model_info")
         if info is not None and not self._tokenizer_matches(url, info):
+            return False
+        if not self._renders_alike(worker_id, url, self._rendering_of(kind, info)):
             return False
         if self.subscribe:
             self.plane.watch(worker_id, url, lambda: fetch("/get_server_info"))
@@ -184,7 +194,32 @@ class KvRouting:
         log.error("refusing worker %s: %s", url, why)
         return False
 
+    def _rendering_of(self, kind: str | None, info: dict[str, Any] | None) -> Rendering:
+        if kind in ("vllm", "sglang"):
+            return kind, None
+        template = getattr(self.tokenizer, "chat_template", None)
+        if knows_tools(template):  # the template renders the tools: no format of ours needed
+            return "radixserve", None
+        theirs = info.get("tool_call_parser") if info else None
+        return "radixserve", theirs if isinstance(theirs, str) else parser_for_template(template)
+
+    def _renders_alike(self, worker_id: str, url: str, theirs: Rendering) -> bool:
+        """A router renders a chat one way, so every worker must render it alike: the first
+        admitted sets the way, one that differs is refused (saying how)."""
+        if self.rendering is None or theirs == self.rendering:
+            self.rendering = theirs
+            self._renderings[worker_id] = theirs
+            return True
+        why = (f"renders chats with tools as {_describe(theirs)}, the router's workers as "
+               f"{_describe(self.rendering)}: one router renders one way (route them apart)")  # fmt: skip
+        self.refused[url] = why
+        log.error("refusing worker %s: %s", url, why)
+        return False
+
     async def forget(self, worker_id: str) -> None:
+        self._renderings.pop(worker_id, None)
+        if not self._renderings:  # the next worker sets the way again
+            self.rendering = None
         await self.plane.forget(worker_id)
         if self.store is not None:
             self.store.forget(worker_id)
@@ -199,7 +234,7 @@ class KvRouting:
         if tok is None or view.token_ids is not None:
             return view, False
         try:
-            ids = prompt_ids(payload, tok, self.engine)
+            ids = prompt_ids(payload, tok, *(self.rendering or ("radixserve", None)))
         except Exception:  # a template error, an odd body: the worker will say what is wrong
             return view, True
         except BaseException as exc:  # a panic in the tokenizer's Rust code (pyo3's
@@ -246,6 +281,13 @@ class KvRouting:
         loaded = getattr(self.policy, "loaded_tokens", 0)
         families.append(("kv_expected_loaded_tokens_total", "counter", {"": loaded}))
         return families
+
+
+def _describe(rendering: Rendering) -> str:
+    engine, parser = rendering
+    if engine != "radixserve":
+        return f"{engine} does (tools handed to the template)"
+    return f"radixserve with --tool-call-parser {parser}" if parser else "radixserve's template"
 
 
 async def fetch_json(
