@@ -11,6 +11,7 @@ import importlib
 import io
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -225,3 +226,36 @@ def test_every_field_the_sdk_can_send_is_declared(sdk, model):
     shape = getattr(importlib.import_module(f"anthropic.types.{module}"), name)
     keys = set(shape.__required_keys__ | shape.__optional_keys__)
     assert keys - set(model.model_fields) - {"schema_"} == set()
+
+
+SWITCH = ("{% if add_generation_prompt and enable_thinking is defined and not enable_thinking %}"
+          "<think>\n\n</think>\n\n{% endif %}")  # fmt: skip
+
+
+def test_thinking_disabled_reaches_a_template_with_the_switch(tiny_model_dir, tmp_path):
+    """A template with an enable_thinking switch (as Qwen3's) gets enable_thinking false for
+    `thinking: disabled`: the prompt gains the template's empty think block, counted and
+    served."""
+    model = Path(shutil.copytree(tiny_model_dir, tmp_path / "switch"))
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["chat_template"] += SWITCH
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    tiny = ServerProcess(["--model", str(model), "--max-total-tokens", "2048"])
+    try:
+        body = {"model": tiny.name, "messages": ASK}
+        off = body | {"thinking": {"type": "disabled"}}
+        counts = [tiny.post("/v1/messages/count_tokens", b).json()["input_tokens"]
+                  for b in (body, off)]  # fmt: skip
+        assert counts[1] > counts[0]
+        reply = tiny.post("/v1/messages", off | {"max_tokens": 2, "temperature": 0})
+        assert reply.status == 200, reply.body
+        usage = reply.json()["usage"]
+        assert usage["input_tokens"] + usage["cache_read_input_tokens"] == counts[1]
+    finally:
+        tiny.stop()
+
+
+def test_thinking_disabled_is_served_where_there_is_no_reasoning(client, server):
+    """No switch and no --reasoning-parser (SmolLM2): there is no reasoning to turn off."""
+    m = hello(client, server, thinking={"type": "disabled"})
+    assert m.stop_reason in ("end_turn", "max_tokens") and text_of(m)

@@ -180,3 +180,16 @@ def test_bad_tool_fields_are_refused_naming_the_field(client, server, fields, pa
 def test_special_tokens_are_kept_where_a_format_opens_calls_with_one(parser, fields, keeps):
     body = ChatCompletionRequest.model_validate({"messages": ASK, "tools": TOOLS, **fields})
     assert keeps_special_tokens(chat_output(parser, None, body), body) == keeps
+
+
+def test_anthropic_thinking_disabled_is_refused_where_reasoning_cannot_be_turned_off(server):
+    """SmolLM2's template has no enable_thinking switch: a server splitting reasoning off
+    cannot honour `thinking: disabled`, so /v1/messages refuses it by name, in Anthropic's
+    error shape (test_server_anthropic.py: a template with the switch gets it)."""
+    body = {"model": server.name, "messages": ASK, "thinking": {"type": "disabled"}}
+    for path, extra in (("/v1/messages", {"max_tokens": 4}), ("/v1/messages/count_tokens", {})):
+        reply = server.post(path, body | extra)
+        assert reply.status == 400, reply.body
+        error = reply.json()
+        assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+        assert error["error"]["message"].startswith("thinking: "), error

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
+import re
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -63,7 +64,7 @@ def anthropic_routes(state: ServerState) -> APIRouter:
             _authorize(state, request)
             body = await read_json(request, CountTokensRequest, limit)
             state.check_model(body.model)
-            chat = _chat(body)
+            chat = _chat(state, body)
             check_tools(chat, state.tool_parser)
             return JSONBody({"input_tokens": len(_tokenize(state, chat))})
         except (ApiError, ValidationError, RequestError) as e:
@@ -91,8 +92,25 @@ def _error(e: ApiError | ValidationError | RequestError) -> JSONBody:
     return JSONBody(error_body(e), status_code=e.status)
 
 
-def _chat(body: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:
-    return ChatCompletionRequest.model_validate(chat_request(body))
+def _chat(state: ServerState, body: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:
+    chat = chat_request(body)
+    if body.thinking is not None:  # {"type": "disabled"}, the one value the body admits
+        chat |= _thinking_off(state)
+    return ChatCompletionRequest.model_validate(chat)
+
+
+def _thinking_off(state: ServerState) -> dict[str, Any]:
+    """``thinking: {"type": "disabled"}`` honoured through the template's enable_thinking
+    switch where it has one. Without the switch, a server that splits reasoning off
+    (--reasoning-parser) cannot turn it off: refused, naming the field; one that does not has
+    no reasoning to turn off."""
+    template = getattr(state.tm.tokenizer, "chat_template", None) or ""
+    if re.search(r"\benable_thinking\b", template):
+        return {"chat_template_kwargs": {"enable_thinking": False}}
+    if state.config.reasoning_parser:
+        raise ApiError(400, "this model's chat template has no enable_thinking switch: its "
+                       "reasoning cannot be disabled", param="thinking")  # fmt: skip
+    return {}
 
 
 def _tokenize(state: ServerState, chat: ChatCompletionRequest) -> list[int]:
@@ -110,7 +128,7 @@ async def _messages(
     request: Request, state: ServerState, body: MessagesRequest, start: float
 ) -> Response:
     state.check_model(body.model)
-    chat = _chat(body)
+    chat = _chat(state, body)
     check_tools(chat, state.tool_parser)
     output = chat_output(state.tool_parser, state.config.reasoning_parser, chat)
     sampling = chat.sampling(body.max_tokens)
