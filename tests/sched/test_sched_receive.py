@@ -78,3 +78,30 @@ def test_one_new_token_ends_on_the_token_received_and_caches_the_prompt() -> Non
     kv = sched.kv
     assert kv.allocator.available() + kv.cache.evictable_size() == kv.total
     assert sched.cache.match_prefix(a.input_ids).length == 100
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_a_prompt_whose_prefix_this_engine_holds_reserves_only_the_rest(page: int) -> None:
+    sched = make(400, page)
+    a = req("a", 100, 3)
+    assert sched.reserve(a) and a.prefix_len == 0
+    sched.receive("a", 5)
+    while (batch := sched.step()) is not None:
+        sched.on_output(batch, StepResult([7] * len(batch.entries)))
+    b = Req("b", [*a.input_ids[:82], *range(900, 930)], SamplingParams(max_new_tokens=4))
+    free = sched.kv.allocator.available()
+    assert sched.reserve(b)
+    assert b.prefix_len == (82 // page) * page  # the tree's pages, locked for it
+    held = sched.slot_table.slots("b")
+    assert (
+        list(held[: b.prefix_len])
+        == list(sched.cache.match_prefix(a.input_ids).slots)[: b.prefix_len]
+    )
+    assert free - sched.kv.allocator.available() <= 112 - b.prefix_len + page
+    sched.check_integrity()
+    assert sched.abort("b")  # its pages never came: the shared prefix stays cached
+    sched.check_integrity()
+    assert sched.cache.match_prefix(a.input_ids).length == (100 // page) * page
+    c = req("c", 100, 2)  # the whole prompt held: nothing to receive
+    assert sched.reserve(c) and c.prefix_len == (100 // page) * page
+    sched.check_integrity()

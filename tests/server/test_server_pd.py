@@ -325,3 +325,23 @@ def test_a_cancel_on_decode_holds_its_slots_until_no_page_can_land(fleet):
         os.kill(pid, signal.SIGCONT)
     # the prefill engine answers the cancel: no page is on its way, the slots are freed
     _check_clean(prefill, decode)
+
+
+def test_the_decode_engine_reuses_the_prompt_pages_it_holds(fleet):
+    prefill, decode, agg, boot = fleet
+    sp = {"max_new_tokens": 8, "temperature": 0}
+    turn = "A long shared system prompt about the history of sailing ships and their crews. " * 4
+    sent = []
+    for text in (turn + "First question?", turn + "Second question?"):
+        before = _rooms(decode)["transfer"]
+        want = agg.post("/generate", {"text": text, "sampling_params": sp}).json()
+        _, d = _both(prefill, decode, "/generate", {"text": text, "sampling_params": sp}, boot)
+        assert d.status == 200 and d.json()["output_ids"] == want["output_ids"], text
+        after = _rooms(decode)["transfer"]
+        sent.append({k: after[k] - before[k] for k in after})
+    prompt = sum(sent[1].values())
+    # the second prompt's shared part was in the decode engine's tree: only its tail was sent
+    assert sent[0]["prompt_tokens_sent"] > 50
+    assert sent[1]["prompt_tokens_reused"] > 50 and sent[1]["prompt_tokens_sent"] < prompt // 4
+    print(f"decode engine, prompt tokens sent/reused: first {sent[0]}, second {sent[1]}")
+    _check_clean(prefill, decode)

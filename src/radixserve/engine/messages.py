@@ -42,8 +42,9 @@ class KVDest:
     room: int
     session: str
     layout: Any  # kvstore.pd_transfer.PoolLayout
-    slots: list[int]
+    slots: list[int]  # for the prompt's positions from ``skip`` on
     reply: str  # the decode scheduler's endpoint for KVDone
+    skip: int = 0  # prompt positions whose KV the decode engine holds already (its tree's)
 
 
 @dataclass(slots=True)

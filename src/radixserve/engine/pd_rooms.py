@@ -190,9 +190,9 @@ class PrefillRooms(PDRole):
                 continue
             room, dest = got
             n = len(entry.prompt_ids)
+            src = sched.slot_table.slots(entry.rid)[dest.skip : n]
             try:
-                self.transfer.write(dest.session, dest.layout,
-                                    sched.slot_table.slots(entry.rid)[:n], dest.slots[:n])  # fmt: skip
+                self.transfer.write(dest.session, dest.layout, src, dest.slots[: len(src)])
             except (RuntimeError, ValueError) as e:
                 failed[entry.rid] = f"KV transfer for bootstrap_room {room} failed: {e}"
                 self.peers.send(dest.reply, KVDone(room, None, failed[entry.rid]))
@@ -213,6 +213,7 @@ class DecodeRooms(PDRole):
         # room -> rid, until: ended here, its slots kept until the prefill engine says that no
         # page is on its way, so a late write never lands in slots another request took since
         self.draining: dict[int, tuple[str, float]] = {}
+        self.sent = {"prompt_tokens_sent": 0, "prompt_tokens_reused": 0}  # prompt KV: sent here, or held
 
     def busy(self) -> bool:
         return bool(self.pending or self.waiting or self.draining)
@@ -237,8 +238,12 @@ class DecodeRooms(PDRole):
         room = msg.bootstrap_room
         assert room is not None and msg.prefill_endpoint is not None
         self.waiting[room] = (req.rid, msg.prefill_endpoint, until)
-        slots = list(sched.slot_table.slots(req.rid))
-        dest = KVDest(room, self.transfer.session, self.transfer.layout, slots, self.endpoint)
+        skip = req.prefix_len  # what this engine's tree held of the prompt: not sent again
+        slots = list(sched.slot_table.slots(req.rid)[skip:])
+        self.sent["prompt_tokens_sent"] += len(slots)
+        self.sent["prompt_tokens_reused"] += skip
+        dest = KVDest(room, self.transfer.session, self.transfer.layout, slots, self.endpoint,
+                      skip)  # fmt: skip
         self.peers.send(msg.prefill_endpoint, dest)
         return True
 

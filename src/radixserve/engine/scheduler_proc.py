@@ -169,7 +169,8 @@ class Worker:
         return {"ok": error is None, "error": error, "total": s.kv.total,
                 "free": s.allocator.available(), "evictable": s.cache.evictable_size(),
                 "running": s.num_running, "waiting": s.num_waiting,
-                "receiving": len(s.receiving), "rooms": pd}  # fmt: skip
+                "receiving": len(s.receiving), "rooms": pd,
+                "transfer": getattr(self.pd, "sent", None)}  # fmt: skip
 
     def _update_settings(self, changes: dict[str, Any]) -> dict[str, Any]:
         """Between two steps, so no batch is in flight; a refused change changes nothing."""

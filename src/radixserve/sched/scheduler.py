@@ -222,14 +222,25 @@ class Scheduler:
         here = [*self.running.decoding.values(), *self.receiving.values()]
         if len(here) >= self.config.max_running_requests or not fits(self.kv, here, req):
             return False
-        self.kv.table.open(req.rid, [])
-        self.kv.extend(req, len(req.input_ids))
+        self._reuse_prefix(req)
+        self.kv.extend(req, len(req.input_ids) - req.kv_len)
         req.kv_len, req.state = len(req.input_ids), ReqState.RUNNING
         self._seq += 1
         req.seq = self._seq
         self._reqs[req.rid] = self.receiving[req.rid] = req
         self.running.enter(req)
         return True
+
+    def _reuse_prefix(self, req: Req) -> None:
+        """Open ``req`` on the longest prefix of its prompt this engine's tree holds (pages it
+        received, or decoded, for earlier requests), locked: only the rest is sent to it. The
+        whole prompt may match, as nothing is computed here for it."""
+        m = self.kv.cache.match_prefix(req.input_ids, req.namespace) if self.kv.enabled else None
+        hit = m is not None and m.length > 0
+        req.match_node = m.last_node if hit else None
+        req.match_len = req.prefix_len = m.length if hit else 0
+        self.kv.lock(req.match_node)
+        self.kv.open(req)
 
     def receive(self, rid: str, first_token: int) -> TokenOutput:
         """The prompt's KV has landed in the reserved slots, with the first token the prefill
