@@ -213,7 +213,8 @@ class DecodeRooms(PDRole):
         # room -> rid, until: ended here, its slots kept until the prefill engine says that no
         # page is on its way, so a late write never lands in slots another request took since
         self.draining: dict[int, tuple[str, float]] = {}
-        self.sent = {"prompt_tokens_sent": 0, "prompt_tokens_reused": 0}  # prompt KV: sent here, or held
+        # prompt tokens whose KV was asked of a prefill engine, or found in this engine's tree
+        self.sent = {"prompt_tokens_sent": 0, "prompt_tokens_reused": 0}
 
     def busy(self) -> bool:
         return bool(self.pending or self.waiting or self.draining)
