@@ -184,3 +184,25 @@ def test_scraped_pods_name_the_jobs_the_dashboard_reads() -> None:
     naming = [r for r in job["relabel_configs"] if r.get("target_label") == "job"]
     assert naming == [{"source_labels": ["__meta_kubernetes_pod_label_app_kubernetes_io_component"],
                        "replacement": "radixserve-$1", "target_label": "job"}]  # fmt: skip
+
+
+def test_inferencepool_schema_reads_the_v1_shape() -> None:
+    """The schema the EPP's InferencePool will be checked against (kubernetes-validate has no
+    CRDs): the v1 shape passes; a missing picker port, the pre-release field name (extensionRef)
+    or a bad failure mode does not."""
+    schema = json.loads(
+        CRD_SCHEMAS[("inference.networking.k8s.io/v1", "InferencePool")].read_text()
+    )
+    pool = {"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+            "metadata": {"name": "radixserve"},
+            "spec": {"selector": {"matchLabels": {"app.kubernetes.io/component": "engine"}},
+                     "targetPorts": [{"number": 30000}],
+                     "endpointPickerRef": {"name": "radixserve-epp", "port": {"number": 9002},
+                                           "failureMode": "FailClose"}}}  # fmt: skip
+    jsonschema.validate(pool, schema)
+    spec = pool["spec"]
+    for broken in ({**spec, "endpointPickerRef": {"name": "radixserve-epp"}},
+                   {**spec, "extensionRef": spec["endpointPickerRef"]},
+                   {**spec, "endpointPickerRef": {**spec["endpointPickerRef"], "failureMode": "Open"}}):  # fmt: skip
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate({**pool, "spec": broken}, schema)
