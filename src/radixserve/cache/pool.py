@@ -15,6 +15,7 @@ from operator import add, floordiv, mul
 from radixserve.cache.tokens import SLOT_CODE
 
 _W = array(SLOT_CODE).itemsize  # bytes per slot id
+MARK_PIECE = 32  # pages below which _mark sets flags one by one rather than look for runs
 
 
 class SlotError(RuntimeError):
@@ -130,12 +131,24 @@ class SlotAllocator:
         return out
 
     def _mark(self, pages: array, flag: int) -> None:
-        """Set the in-use flag of ``pages``: one slice when they are a run, else a C-level map."""
-        lo, hi = min(pages), max(pages)
-        if hi - lo == len(pages) - 1:  # distinct pages: these are lo .. hi
-            self._in_use[lo : hi + 1] = (b"\x01" if flag else b"\x00") * len(pages)
-        else:
-            deque(map(self._in_use.__setitem__, pages, repeat(flag)), maxlen=0)
+        """Set the in-use flag of ``pages``: one slice per ascending run of them (found by
+        halving, each half checked with one compare against the ids), a C-level map over the
+        short pieces that are no run. At page size 1 a prompt's slots are thousands of pages
+        that come back from the free list as a few runs: one flag at a time was a third of
+        the simulator's time on 512-token blocks."""
+        stack, in_use, one = [(0, len(pages))], self._in_use, b"\x01" if flag else b"\x00"
+        while stack and len(pages):
+            lo, hi = stack.pop()
+            first = pages[lo]
+            if pages[hi - 1] - first == hi - lo - 1 and (
+                hi - lo <= 2 or pages[lo:hi] == self._ids(first, first + hi - lo)
+            ):
+                in_use[first : first + hi - lo] = one * (hi - lo)
+            elif hi - lo <= MARK_PIECE:
+                deque(map(in_use.__setitem__, pages[lo:hi], repeat(flag)), maxlen=0)
+            else:
+                mid = (lo + hi) // 2
+                stack += ((mid, hi), (lo, mid))
 
     def free_runs(self, runs: Sequence[Sequence[int]]) -> None:
         """``free`` each of ``runs`` (an eviction's leaves: each usually one run of slots)."""
