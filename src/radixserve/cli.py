@@ -15,6 +15,7 @@ from radixserve.config import CliParser
 SUBCOMMANDS: dict[str, str] = {
     "serve": "radixserve.server.cli",
     "route": "radixserve.router.proxy.cli",
+    "epp": "radixserve.router.gateway",
     "kv-indexer": "radixserve.router.indexer.cli",
     "kv-store": "radixserve.kvstore.cli",
     "sim": "radixserve.sim.cli",

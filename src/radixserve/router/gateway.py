@@ -1,0 +1,112 @@
+"""`radixserve epp`: the router's picking (its policies, indexes, health checks and load reads:
+`proxy.app.Router`) behind the Gateway API's endpoint-picker shell (`epp/`). Lives apart from
+both so that proxy/ and epp/ never import each other."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from typing import Any
+
+from radixserve.config import add_dataclass_args, from_args
+from radixserve.router.proxy.config import RouterConfig
+
+log = logging.getLogger("radixserve.epp")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register the `epp` subcommand: route's flags, plus where the gRPC service listens."""
+    parser = subparsers.add_parser(
+        "epp",
+        help="the Gateway API's endpoint picker (Envoy ext_proc) with the router's policies",
+        description="Pick the endpoint for each request Envoy forwards, as `route` would.",
+    )
+    add_dataclass_args(parser, RouterConfig, "router")
+    group = parser.add_argument_group("endpoint picker")
+    group.add_argument("--grpc-host", default="0.0.0.0", help="address of the ext_proc service")
+    group.add_argument("--grpc-port", type=int, default=9002, help="port of the ext_proc service")
+    parser.set_defaults(run=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until SIGINT or SIGTERM."""
+    try:
+        config = from_args(RouterConfig, args)
+        import grpc  # noqa: F401  (the epp extra)
+    except ValueError as e:
+        print(f"radixserve epp: {e}", file=sys.stderr)
+        return 2
+    except ImportError:
+        print("radixserve epp: needs the epp extra: pip install 'radixserve[epp]'", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        asyncio.run(serve(config, args.grpc_host, args.grpc_port))
+    except (ValueError, OSError, RuntimeError) as e:  # a port in use, a bad worker url
+        print(f"radixserve epp: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+class RouterPicker:
+    """The epp.service.Picker over a Router."""
+
+    def __init__(self, router: Any) -> None:
+        from radixserve.router.proxy import external
+
+        self.router, self.external = router, external
+
+    async def pick(self, body: bytes, path: str, allowed: set[str] | None) -> Any:
+        from radixserve.router.epp.service import Pick
+
+        try:
+            found = await self.external.choose(self.router, body or b"{}", path, allowed)
+        except (ValueError, TypeError, AttributeError) as exc:
+            return Pick(None, status=400, message=f"request body is not a JSON object: {exc}")
+        if found is None:
+            if self.external.shedding(self.router):
+                msg = "every worker reports a queue or KV usage past the overload threshold"
+                return Pick(None, status=429, message=msg)
+            why = "none of the endpoints in the subset hint" if allowed is not None else "none"
+            return Pick(None, status=503, message=f"no healthy worker available ({why} fits)")
+        worker, view = found
+        self.external.dispatched(self.router, worker, view)
+        return Pick(self.external.endpoint(worker), (worker, view))
+
+    def done(self, handle: Any, status: int | None, served: str | None) -> None:
+        worker, view = handle
+        if served is not None and served != self.external.endpoint(worker):
+            log.warning("picked %s, the proxy says %s served", worker.url, served)
+        self.external.settled(self.router, worker, view, status)
+
+    def ready(self) -> bool:
+        return self.router.registry.routable() > 0
+
+
+async def serve(config: RouterConfig, grpc_host: str, grpc_port: int) -> None:
+    """The router (admin, metrics, health checks, KV events) and the ext_proc service."""
+    from radixserve.router.epp.service import start_grpc
+    from radixserve.router.proxy.app import Router
+
+    router = Router(config)
+    http_port = await router.start()
+    server, bound, stop_ready = await start_grpc(RouterPicker(router), grpc_host, grpc_port)
+    if not bound:
+        raise OSError(f"cannot listen on {grpc_host}:{grpc_port}")
+    log.info("endpoint picker: ext_proc on %s:%d, admin and metrics on http://%s:%d, %d "
+             "worker(s), policy %s", grpc_host, bound, config.host, http_port,
+             len(config.worker_urls), config.policy)  # fmt: skip
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    stop_ready()
+    await server.stop(1.0)
+    await router.stop()

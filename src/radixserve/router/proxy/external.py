@@ -1,0 +1,58 @@
+"""Picking for a front door other than the router's own HTTP server (the Gateway API's endpoint
+picker): the same request view, shared-index read, policy choice and in-flight accounting as
+`Router.proxy`, with the bytes moved by someone else (Envoy)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection
+from urllib.parse import urlsplit
+
+from radixserve.router.policies.base import RequestView
+from radixserve.router.policies.tree_keys import units
+from radixserve.router.proxy.app import Router
+from radixserve.router.proxy.workers import Worker
+
+
+def endpoint(worker: Worker) -> str:
+    """The worker's `host:port`, as the Gateway API names an endpoint."""
+    parts = urlsplit(worker.url)
+    return f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
+
+
+async def choose(
+    router: Router, body: bytes, path: str, allowed: Collection[str] | None
+) -> tuple[Worker, RequestView] | None:
+    """The worker the router's policy picks for this request body, among the endpoints in
+    `allowed` (None: any); None when no routable worker fits. Raises ValueError on a body that
+    is not a JSON object."""
+    view = await router._request_view(body, path)
+    if router.kvs is not None:  # the shared index's answer, read by select just below
+        await router.kvs.prepare(view.token_ids, view.kv_namespace)
+    outside = [] if allowed is None else [
+        w.id for w in router.registry.workers if endpoint(w) not in allowed
+    ]  # fmt: skip
+    worker = router.pick(view, outside)
+    if worker is None or (allowed is not None and endpoint(worker) not in allowed):
+        return None
+    return worker, view
+
+
+def shedding(router: Router) -> bool:
+    """No worker was picked because every routable one is past an overload threshold."""
+    return bool(router.registry.overloaded) and router.registry.routable() > 0
+
+
+def dispatched(router: Router, worker: Worker, view: RequestView) -> None:
+    """The request went to `worker`: counted in flight there, and recorded by the policy."""
+    worker.load, worker.queued_units = worker.load + 1, worker.queued_units + units(view.key)
+    worker.counts["requests"] += 1
+    router.policy.on_dispatch(worker.id, view, time.monotonic())
+    router._maybe_evict()
+
+
+def settled(router: Router, worker: Worker, view: RequestView, status: int | None) -> None:
+    """The request on `worker` ended (`status`: its HTTP status, None: unknown)."""
+    worker.load, worker.queued_units = worker.load - 1, worker.queued_units - units(view.key)
+    worker.counts["errors"] += status is not None and status >= 500
+    router.policy.on_complete(worker.id, view, time.monotonic())
