@@ -28,6 +28,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     group = parser.add_argument_group("endpoint picker")
     group.add_argument("--grpc-host", default="0.0.0.0", help="address of the ext_proc service")
     group.add_argument("--grpc-port", type=int, default=9002, help="port of the ext_proc service")
+    group.add_argument(
+        "--worker-file",
+        default=None,
+        help="a file listing workers (a url a line, or JSON), re-read when it changes: workers "
+        "it adds join, workers it drops leave (--worker-urls stay)",
+    )
     parser.set_defaults(run=run)
     return parser
 
@@ -47,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        asyncio.run(serve(config, args.grpc_host, args.grpc_port))
+        asyncio.run(serve(config, args.grpc_host, args.grpc_port, args.worker_file))
     except (ValueError, OSError, RuntimeError) as e:  # a port in use, a bad worker url
         print(f"radixserve epp: {e}", file=sys.stderr)
         return 2
@@ -89,7 +95,9 @@ class RouterPicker:
         return self.router.registry.routable() > 0
 
 
-async def serve(config: RouterConfig, grpc_host: str, grpc_port: int) -> None:
+async def serve(
+    config: RouterConfig, grpc_host: str, grpc_port: int, worker_file: str | None = None
+) -> None:
     """The router (admin, metrics, health checks, KV events) and the ext_proc service."""
     from radixserve.router.epp.service import start_grpc
     from radixserve.router.proxy.app import Router
@@ -104,9 +112,45 @@ async def serve(config: RouterConfig, grpc_host: str, grpc_port: int) -> None:
              len(config.worker_urls), config.policy)  # fmt: skip
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    watching = loop.create_task(watch_file(router, worker_file)) if worker_file else None
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    if watching is not None:
+        watching.cancel()
     stop_ready()
     await server.stop(1.0)
     await router.stop()
+
+
+async def watch_file(router: Any, path: str, every: float = 1.0) -> None:
+    """Re-read the worker file whenever its modification time or size changes, and make the
+    workers it listed last match it; an unreadable or malformed file changes nothing (said once)."""
+    import os
+
+    from radixserve.router.discovery import parse_worker_file
+    from radixserve.router.proxy import external
+
+    seen, listed = None, set()
+    while True:
+        try:
+            st = os.stat(path)
+            if (st.st_mtime_ns, st.st_size) != seen:
+                seen = (st.st_mtime_ns, st.st_size)
+                with open(path) as f:
+                    wanted = set(parse_worker_file(f.read()))
+                listed = await _reconcile(router, external, listed, wanted)
+        except (OSError, ValueError) as exc:
+            log.warning("worker file %s: %s (workers unchanged)", path, exc)
+        await asyncio.sleep(every)
+
+
+async def _reconcile(router: Any, external: Any, listed: set[str], wanted: set[str]) -> set[str]:
+    """Workers the file listed before and no longer does leave; new ones join."""
+    for url in sorted(listed - wanted):
+        await external.leave(router, url)
+        log.info("worker file: %s left", url)
+    for url in sorted(wanted - listed):
+        await external.join(router, url)
+        log.info("worker file: %s joined", url)
+    return wanted

@@ -56,3 +56,33 @@ def settled(router: Router, worker: Worker, view: RequestView, status: int | Non
     worker.load, worker.queued_units = worker.load - 1, worker.queued_units - units(view.key)
     worker.counts["errors"] += status is not None and status >= 500
     router.policy.on_complete(worker.id, view, time.monotonic())
+
+
+async def join(router: Router, url: str) -> None:
+    """Register a discovered worker as `POST /workers` does; it takes traffic once its first
+    health probe passes. A worker already registered (under any spelling) is left as it is."""
+    from radixserve.router.proxy.workers import DuplicateWorker, resolve
+
+    try:
+        worker = router.registry.add(url, await resolve(url), healthy=False)
+    except DuplicateWorker:
+        return
+    router.kinds.register(worker.id, worker.url)
+    if await router.admit(worker):
+        await router.registry.probe_now(worker)
+
+
+async def leave(router: Router, url: str) -> None:
+    """Forget a worker discovery no longer lists, as `DELETE /workers/{url}` does."""
+    worker = router.registry.get(url)
+    if worker is None:
+        return
+    router.registry.remove(worker)
+    router.kinds.forget(worker.id)
+    if router.kv is not None:
+        await router.kv.forget(worker.id)
+
+
+def worker_urls(router: Router) -> set[str]:
+    """The urls of the workers registered now."""
+    return {w.url for w in router.registry.workers}
