@@ -105,3 +105,23 @@ def test_a_prompt_whose_prefix_this_engine_holds_reserves_only_the_rest(page: in
     c = req("c", 100, 2)  # the whole prompt held: nothing to receive
     assert sched.reserve(c) and c.prefix_len == (100 // page) * page
     sched.check_integrity()
+
+
+def test_a_held_request_keeps_its_slots_after_it_ends_until_released() -> None:
+    # the prefill role: a finished prompt's slots are read by a transfer off the loop
+    sched = make(400, 4)
+    a = req("a", 102, 1)  # a partial last page, which ending would free at once
+    sched.add_request(a)
+    batch = sched.step()
+    assert batch is not None
+    sched.hold("a")
+    (out,) = sched.on_output(batch, StepResult([5]))
+    assert out.finished and sched.get("a") is None and "a" in sched.held
+    assert len(sched.slot_table.slots("a")) == 102  # every row still readable
+    assert sched.kv.allocator.available() == 400 - 104
+    assert not sched.flush_cache()
+    sched.check_integrity()
+    sched.release_held("a")
+    sched.check_integrity()
+    assert not sched.held and sched.cache.match_prefix(a.input_ids).length == 100
+    assert sched.kv.allocator.available() + sched.cache.evictable_size() == 400

@@ -66,6 +66,15 @@ class KVCancel:
 
 
 @dataclass(slots=True)
+class KVSent:
+    """Prefill engine's sender thread -> its own scheduler: a request's pages are written
+    (``error`` None) or failed; its slots may be released."""
+
+    rid: str
+    error: str | None = None
+
+
+@dataclass(slots=True)
 class AbortReq:
     rid: str
 

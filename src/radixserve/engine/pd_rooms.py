@@ -3,7 +3,8 @@
 A room pairs one request's two halves. The decode engine reserves slots for it and sends
 ``KVDest`` (where the pages go) to the prefill engine's scheduler; the prefill engine admits the
 request once both it and the KVDest are there, and right after the forward that completes its
-prompt writes the pages (kvstore/pd_transfer.py) and answers ``KVDone`` with the first token.
+prompt hands the pages to its sender thread (engine/pd_sender.py), which writes them
+(kvstore/pd_transfer.py); then it answers ``KVDone`` with the first token.
 Both sides wait a bounded time, then end the request with an error; nothing is kept after.
 The peers reach each other's scheduler on a TCP endpoint bound beside its own IPC one.
 """
@@ -20,6 +21,7 @@ from typing import Any
 import zmq
 
 from radixserve.engine.messages import ErrorOut, GenerateReq, KVCancel, KVDest, KVDone
+from radixserve.engine.pd_sender import PageSender, Send
 from radixserve.kvstore.pd_transfer import MooncakeTransfer, PoolLayout
 from radixserve.sched.batch import Batch, StepResult, TokenLogprob
 from radixserve.sched.request import Req, TokenOutput
@@ -92,13 +94,14 @@ class PrefillRooms(PDRole):
         self.dests: dict[int, tuple[KVDest, float]] = {}  # KVDest here, request not yet
         self.running: dict[str, tuple[int, KVDest]] = {}  # rid -> room, admitted
         self.rooms: dict[int, str] = {}  # room -> rid, for every request here with a room
+        self.sender = PageSender(self.transfer, self.endpoint)  # the writes, off the loop
 
     def busy(self) -> bool:
         return bool(self.held or self.dests)
 
     def counts(self) -> dict[str, int]:
         return {"held": len(self.held), "dests": len(self.dests), "running": len(self.running),
-                "rooms": len(self.rooms)}  # fmt: skip
+                "rooms": len(self.rooms), "sending": len(self.sender.inflight)}  # fmt: skip
 
     def admit(self, msg: GenerateReq, req: Req) -> Req | None:
         """A new request: ValueError if its room is taken; the Req to queue now (its
@@ -178,28 +181,23 @@ class PrefillRooms(PDRole):
             self.held.pop(room, None)
         self.running.pop(rid, None)
 
-    def send_pages(
+    def collect(
         self, batch: Batch, result: StepResult, sched: Scheduler, lps: dict[str, TokenLogprob]
-    ) -> dict[str, str]:
-        """After the forward that completed prompts of rooms: write their pages and tell the
-        decode engines, before ``on_output`` may release the slots. Returns rid -> error."""
-        failed = {}
+    ) -> dict[str, tuple[Send, list[int]]]:
+        """After the forward that completed prompts of rooms, before ``on_output``: their
+        writes (rid -> what to answer, the slots to read), whose slots stay held after the
+        request ends until ``release_held``. Their rooms are done here."""
+        sends = {}
         for entry, token in zip(batch.entries, result.next_token_ids):
             got = self.running.get(entry.rid) if entry.sample else None
             if got is None:
                 continue
             room, dest = got
-            n = len(entry.prompt_ids)
-            src = sched.slot_table.slots(entry.rid)[dest.skip : n]
-            try:
-                self.transfer.write(dest.session, dest.layout, src, dest.slots[: len(src)])
-            except (RuntimeError, ValueError) as e:
-                failed[entry.rid] = f"KV transfer for bootstrap_room {room} failed: {e}"
-                self.peers.send(dest.reply, KVDone(room, None, failed[entry.rid]))
-            else:
-                self.peers.send(dest.reply, KVDone(room, token, None, lps.get(entry.rid)))
+            src = list(sched.slot_table.slots(entry.rid)[dest.skip : len(entry.prompt_ids)])
+            sends[entry.rid] = (Send(room, dest, token, lps.get(entry.rid)), src)
+            sched.hold(entry.rid)
             self.forget(entry.rid)
-        return failed
+        return sends
 
 
 class DecodeRooms(PDRole):

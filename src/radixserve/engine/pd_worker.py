@@ -6,12 +6,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from radixserve.engine.messages import GenerateReq, KVCancel, KVDest, KVDone, TokenBatch
+from radixserve.engine.messages import GenerateReq, KVCancel, KVDest, KVDone, KVSent, TokenBatch
 from radixserve.engine.pd_rooms import DecodeRooms, PrefillRooms, error_out
+from radixserve.engine.pd_sender import Send
 from radixserve.sched.batch import Batch, StepResult, TokenLogprob
-from radixserve.sched.request import Req
+from radixserve.sched.request import Req, TokenOutput
 
-PEER_MESSAGES = (KVDest, KVDone, KVCancel)
+PEER_MESSAGES = (KVDest, KVDone, KVCancel, KVSent)
 BUSY_POLL_MS = 50  # while a room waits: how often its bound is checked
 
 
@@ -54,6 +55,8 @@ def on_peer(worker: Any, msg: Any) -> None:
         rid = pd.on_cancel(msg)
         if rid is not None:
             _fail(worker, rid, f"the decode engine gave up bootstrap_room {msg.room}", 502)
+    elif isinstance(msg, KVSent) and isinstance(pd, PrefillRooms):
+        _sent(worker, pd, msg)
     elif isinstance(msg, KVDone) and isinstance(pd, DecodeRooms):
         got = pd.on_done(msg, sched)
         if got is None:
@@ -84,17 +87,48 @@ def tick(worker: Any) -> int | None:
 
 def send_pages(
     worker: Any, batch: Batch, result: StepResult, lps: dict[str, TokenLogprob]
-) -> set[str]:
-    """Prefill role, after the forward: pages out; returns the rids whose transfer failed (their
-    errors are sent; their tokens must not be)."""
+) -> dict[str, tuple[Send, list[int]]]:
+    """Prefill role, after the forward and before ``on_output``: the writes to start (their
+    requests' slots stay held when they end)."""
     pd = worker.pd
     if not isinstance(pd, PrefillRooms) or not pd.running:
-        return set()
-    failed = pd.send_pages(batch, result, worker.scheduler, lps)
-    for rid, why in failed.items():
-        worker.push.send_pyobj(error_out(rid, why, 502))
-        worker.live.pop(rid, None)
-    return set(failed)
+        return {}
+    return pd.collect(batch, result, worker.scheduler, lps)
+
+
+def start_sends(
+    worker: Any, sends: dict[str, tuple[Send, list[int]]], outs: list[TokenOutput]
+) -> list[TokenOutput]:
+    """After ``on_output``: the writes go to the sender thread; the first tokens of their
+    requests wait for them (returns the outputs to send now)."""
+    now = []
+    for out in outs:
+        got = sends.get(out.rid)
+        if got is None:
+            now.append(out)
+        else:
+            got[0].out = out
+    for rid, (send, src) in sends.items():
+        worker.pd.sender.submit(rid, send, src)
+    return now
+
+
+def _sent(worker: Any, pd: PrefillRooms, msg: KVSent) -> None:
+    """A write is done: the slots go back, the decode engine hears, then the client."""
+    worker.scheduler.release_held(msg.rid)
+    send = pd.sender.done(msg)
+    if send is None:
+        return
+    if msg.error is not None:
+        why = f"KV transfer for bootstrap_room {send.room} failed: {msg.error}"
+        pd.peers.send(send.dest.reply, KVDone(send.room, None, why))
+        if worker.live.pop(msg.rid, None) is not None:
+            worker.push.send_pyobj(error_out(msg.rid, why, 502))
+        return
+    pd.peers.send(send.dest.reply, KVDone(send.room, send.token, None, send.logprob))
+    token = worker._token_out(send.out, send.logprob) if send.out is not None else None
+    if token is not None:
+        worker.push.send_pyobj(TokenBatch([token]))
 
 
 def forget(worker: Any, rid: str) -> bool:

@@ -201,10 +201,10 @@ class Worker:
         if self.realtime and result.duration:
             time.sleep(result.duration)
         lps = self._logprobs(batch, result)
-        failed = pd_worker.send_pages(self, batch, result, lps) if self.pd is not None else ()
+        sends = pd_worker.send_pages(self, batch, result, lps) if self.pd is not None else {}
         outs = self.scheduler.on_output(batch, result)
-        if failed:
-            outs = [o for o in outs if o.rid not in failed]
+        if sends:  # written off the loop; their first tokens go out once written
+            outs = pd_worker.start_sends(self, sends, outs)
         for req in prompts:  # now in the tree: pinned there for the writer thread, not read here
             self.storage.offer_write(req.input_ids, req.namespace, self.scheduler.kv)
         sent = [t for t in (self._token_out(o, lps.get(o.rid)) for o in outs) if t is not None]

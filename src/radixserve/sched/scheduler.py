@@ -91,6 +91,8 @@ class Scheduler:
         self.running = RunningSet(self.config)
         self._reqs: dict[str, Req] = {}  # every live request, waiting or running
         self.receiving: dict[str, Req] = {}  # decode role: slots reserved, KV on its way
+        self._holding: set[str] = set()  # prefill role: when these end, their slots stay...
+        self.held: dict[str, Req] = {}  # ...held (ended, pages still being read) until released
         self._in_flight: Batch | None = None
         self._last_chunk = False
         self._seq = self._step_id = 0
@@ -140,7 +142,7 @@ class Scheduler:
     def flush_cache(self) -> bool:
         """Empty the prefix cache; refused (False) while any request is waiting or running, or
         a reader outside the scheduler has nodes pinned (``KVManager.pin``)."""
-        if self._reqs or self._in_flight is not None or self.kv.pins:
+        if self._reqs or self.held or self._in_flight is not None or self.kv.pins:
             return False
         self.kv.flush()
         return True
@@ -241,6 +243,17 @@ class Scheduler:
         req.match_len = req.prefix_len = m.length if hit else 0
         self.kv.lock(req.match_node)
         self.kv.open(req)
+
+    def hold(self, rid: str) -> None:
+        """Prefill role: when ``rid`` ends, keep its slots (a transfer reads them) until
+        ``release_held``; only then is its prompt cached and the rest freed."""
+        self._holding.add(rid)
+
+    def release_held(self, rid: str) -> None:
+        self._holding.discard(rid)
+        req = self.held.pop(rid, None)
+        if req is not None:
+            self.kv.release(req, keep=req.state is ReqState.FINISHED)
 
     def receive(self, rid: str, first_token: int) -> TokenOutput:
         """The prompt's KV has landed in the reserved slots, with the first token the prefill
@@ -494,7 +507,10 @@ class Scheduler:
             self._dequeue(req)
         else:
             self.running.leave(req)  # KV still on its way is not cached
-            self.kv.release(req, keep=self.receiving.pop(rid, None) is None)
+            if rid in self._holding:
+                self.held[rid] = req
+            else:
+                self.kv.release(req, keep=self.receiving.pop(rid, None) is None)
         req.state, req.finish_reason, req.finish_time = state, reason, self.clock()
         self._n["aborted" if state is ReqState.ABORTED else "finished"] += 1
         return True
@@ -567,7 +583,7 @@ class Scheduler:
         """Recount everything: free + evictable + protected + held == total, the tree's own
         counters, every lock, and the queue against the prefix index."""
         running = [*self.running.all(), *self.receiving.values()]
-        self.kv.check(running, in_flight=self._in_flight is not None)
+        self.kv.check([*running, *self.held.values()], in_flight=self._in_flight is not None)
         waiting = [r for r in self._reqs.values() if r.state is ReqState.WAITING]
         assert len(waiting) + len(running) == len(self._reqs), "a request is lost"
         self.policy.check(waiting)
