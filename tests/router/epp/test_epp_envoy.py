@@ -24,19 +24,40 @@ from test_router_fleet import FAST_HEALTH, launch_worker  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+def _stack(workdir, *flags: str):
+    """Three workers, the EPP over them with `flags`, Envoy before it; stops them all after."""
     procs = [launch_worker() for _ in range(3)]
     urls = [w.url for w in procs]
     try:
-        epp = EppProc(urls, *FAST_HEALTH)
+        epp = EppProc(urls, *flags)
         procs.append(epp)
-        procs.append(EnvoyProc(epp.grpc_port, tmp_path_factory.mktemp("envoy")))
+        procs.append(EnvoyProc(epp.grpc_port, workdir))
         _wait_routable(epp, 3)
         yield procs[:3], epp, procs[4]
     finally:
         for proc in procs:
             proc.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    yield from _stack(tmp_path_factory.mktemp("envoy"), *FAST_HEALTH)
+
+
+def test_a_failure_read_back_leaves_a_dead_worker_out_before_any_health_check(tmp_path):
+    """Health checks a minute apart: only the 503 Envoy answers for the dead worker, which
+    the EPP reads back from the response headers, can open its circuit."""
+    flags = ("--health-check-interval-secs", "60", "--cb-failure-threshold", "1")
+    gen = _stack(tmp_path, *flags)
+    workers, epp, envoy = next(gen)
+    try:
+        victim = workers[0]
+        victim.kill()
+        statuses = [_post(envoy.addr, "/generate", _prompt(g, 1))[0] for g in range(12)]
+        assert statuses.count(503) <= 1 and statuses.count(200) >= 11, statuses
+        assert epp.workers()[victim.url]["circuit"] == "open"
+    finally:
+        gen.close()
 
 
 def _wait_routable(epp: EppProc, n: int) -> None:

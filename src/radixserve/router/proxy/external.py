@@ -47,15 +47,23 @@ def dispatched(router: Router, worker: Worker, view: RequestView) -> None:
     """The request went to `worker`: counted in flight there, and recorded by the policy."""
     worker.load, worker.queued_units = worker.load + 1, worker.queued_units + units(view.key)
     worker.counts["requests"] += 1
+    worker.breaker.dispatched()
     router.policy.on_dispatch(worker.id, view, time.monotonic())
     router._maybe_evict()
 
 
 def settled(router: Router, worker: Worker, view: RequestView, status: int | None) -> None:
-    """The request on `worker` ended (`status`: its HTTP status, None: unknown)."""
+    """The request on `worker` ended (`status`: its HTTP status, None: unknown). A 5xx, which
+    is also what the proxy answers when it cannot reach the worker, counts against the worker's
+    circuit breaker as a failed attempt through `route` does, so a dead worker is left out at
+    its first failures, not only at its next missed health check."""
+    now = time.monotonic()
     worker.load, worker.queued_units = worker.load - 1, worker.queued_units - units(view.key)
-    worker.counts["errors"] += status is not None and status >= 500
-    router.policy.on_complete(worker.id, view, time.monotonic())
+    worker.breaker.settled()
+    if status is not None:
+        worker.counts["errors"] += status >= 500
+        worker.breaker.record(status < 500, now)
+    router.policy.on_complete(worker.id, view, now)
 
 
 async def join(router: Router, url: str) -> None:
