@@ -6,7 +6,7 @@ engines' cached share of prompt tokens (their `usage.prompt_tokens_details.cache
 prompt tokens they computed, TTFT p50 / p99 (streamed), requests/s, and how the requests split
 over the engines, with ratios against round_robin measured in the same run.
 
-    python benchmarks/agent_fleet.py        # 2 engines, 5 agents x 4 turns: 7-9 min on 2 busy cores
+    python benchmarks/agent_fleet.py        # 2 engines, 5 agents x 4 turns: 11-14 min on 2 cores at load 7-10
     python benchmarks/agent_fleet.py --engines 3 --agents 7 --max-total-tokens 4096
     python benchmarks/agent_fleet.py --engines 2 --agents 2 --turns 2 --tools 2   # the smallest
 
