@@ -1,4 +1,4 @@
-"""Tiny random-weight Llama and Qwen2 checkpoints saved as real HF directories, and a hand-rolled
+"""Tiny random-weight Llama, Qwen2, Qwen3 and Qwen3-MoE checkpoints saved as real HF directories, and a hand-rolled
 scheduler stand-in (slot allocation, Batch building) to drive a runner in the model tests.
 """
 
@@ -27,6 +27,7 @@ CORPUS = [
     "the capital of france is paris and the capital of italy is rome",
 ] * 4
 
+_MOE = {"head_dim": 24, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 # kind -> (transformers config class name, config overrides)
 TINY_KINDS = {
     "llama3": (
@@ -47,6 +48,12 @@ TINY_KINDS = {
         {"rope_scaling": {"rope_type": "linear", "factor": 2.0}, "tie_word_embeddings": True},
     ),
     "qwen2": ("Qwen2Config", {"rope_theta": 1000000.0, "tie_word_embeddings": True}),
+    # head_dim 24 is not hidden / heads (16), as in the released Qwen3s
+    "qwen3": ("Qwen3Config", {"head_dim": 24, "tie_word_embeddings": True}),
+    # layer 0 routed (top 2 of 8, renormalised), layer 1 dense (mlp_only_layers)
+    "qwen3_moe": ("Qwen3MoeConfig", {**_MOE, "norm_topk_prob": True, "mlp_only_layers": [1]}),
+    # layer 0 dense, layer 1 routed (every second layer), weights not renormalised
+    "qwen3_moe-step2": ("Qwen3MoeConfig", {**_MOE, "decoder_sparse_step": 2}),
 }
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=64)
 

@@ -18,7 +18,7 @@ PROMPTS = [SHARED + [60, 61, 62], SHARED + [70], SHARED[:5] + [80, 81, 82, 83, 8
 STEPS = 8
 
 
-@pytest.fixture(scope="module", params=["llama3", "qwen2"])
+@pytest.fixture(scope="module", params=["llama3", "qwen2", "qwen3", "qwen3_moe"])
 def runner(request, tmp_path_factory):
     path = build_tiny_model(request.param, tmp_path_factory.mktemp("tiny"))
     return TorchRunner(ModelConfig(model=str(path)), num_slots=512)
@@ -95,7 +95,9 @@ def test_bad_slots_are_rejected(runner):
 
 def test_kv_bytes_per_token_matches_the_pool(runner):
     per_token = kv_bytes_per_token(runner.config)
-    assert per_token == 2 * 2 * 2 * 16 * 4  # layers, K and V, kv heads, head dim, float32
+    head_dim = runner.arch.head_dim  # 16 (hidden / heads) or 24 (Qwen3's own head_dim)
+    assert head_dim == (24 if "qwen3" in str(runner.config.model) else 16)
+    assert per_token == 2 * 2 * 2 * head_dim * 4  # layers, K and V, kv heads, head dim, float32
     assert runner.kv.nbytes == per_token * runner.kv.num_slots
 
 

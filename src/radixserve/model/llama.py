@@ -1,5 +1,6 @@
-"""The Llama-family network (Llama 2/3, SmolLM2, Mistral, Qwen2) as plain weight tensors and a
-forward pass over a flattened mixed batch that reads and writes the slot-indexed KV pool.
+"""The Llama-family network (Llama 2/3, SmolLM2, Mistral, Qwen2; Qwen3's per-head q/k norms and
+Qwen3-MoE's routed experts) as plain weight tensors and a forward pass over a flattened mixed
+batch that reads and writes the slot-indexed KV pool.
 """
 
 from __future__ import annotations
@@ -11,12 +12,13 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.model import rope
-from radixserve.model.arch import ModelArch
+from radixserve.model.arch import ModelArch, MoEArch
 from radixserve.model.attention.base import AttentionBackend
 from radixserve.model.attention.plan import StepPlan
 from radixserve.model.attention.torch_gather import TorchGather
 from radixserve.model.kernels import MAX_ROPE_DIM, CpuKernels, PackedWeight
 from radixserve.model.kv_pool import KVPool
+from radixserve.model.moe import MoEBlock
 from radixserve.model.tp import TPShard, shard_arch
 
 
@@ -54,14 +56,19 @@ class Linear:
 
 @dataclass(slots=True)
 class LayerWeights:
-    """One decoder layer, with q/k/v and gate/up fused so each is a single matmul."""
+    """One decoder layer, with q/k/v and gate/up fused so each is a single matmul. A Qwen3
+    layer adds per-head RMSNorms of q and k; a Qwen3-MoE sparse layer has ``moe`` in place of
+    ``gate_up`` and ``down``."""
 
     input_norm: torch.Tensor
     qkv: Linear
     o: Linear
     post_norm: torch.Tensor
-    gate_up: Linear
-    down: Linear
+    gate_up: Linear | None
+    down: Linear | None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    moe: MoEBlock | None = None
 
 
 class LlamaModel:
@@ -106,9 +113,10 @@ class LlamaModel:
             Linear("lm_head", self.lm_head, None, onednn, kernels) if self.tp.lm_head else None
         )
         self.layers = [
-            _layer(tensors, f"model.layers.{i}.", get, onednn, kernels, self.tp)
+            _layer(tensors, f"model.layers.{i}.", get, onednn, kernels, self.tp,
+                   arch.moe if arch.is_moe_layer(i) else None)
             for i in range(arch.num_layers)
-        ]
+        ]  # fmt: skip
         factors = tensors.get("rope_freqs")
         self.inv_freq = rope.inv_freq(arch, factors).to(device)
 
@@ -167,7 +175,7 @@ class LlamaModel:
     ) -> torch.Tensor:
         a = self.arch
         rows = x.shape[0]
-        qkv = w.qkv(self._rms_norm(x, w.input_norm))
+        qkv = self._qk_norm(w, w.qkv(self._rms_norm(x, w.input_norm)))
         qk_width = (a.num_heads + a.num_kv_heads) * a.head_dim
         # q and k are rotated together: one rope call instead of two
         qk = rope.apply_rope(qkv[:, :qk_width].view(rows, -1, a.head_dim), cos, sin)
@@ -175,8 +183,8 @@ class LlamaModel:
         v = qkv[:, qk_width:].view(rows, a.num_kv_heads, a.head_dim)
         kv.write(index, plan.write_slots, k, v)
         x = x + self.tp.all_reduce(w.o(self.backend.attend(q, k, v, plan, kv, index)))
-        gate, up = w.gate_up(self._rms_norm(x, w.post_norm)).chunk(2, dim=-1)
-        return x + self.tp.all_reduce(w.down(F.silu(gate) * up))
+        h = self._rms_norm(x, w.post_norm)
+        return x + self.tp.all_reduce(_mlp(w, h, _silu_mul))
 
     def _layer_forward_fused(
         self,
@@ -196,7 +204,7 @@ class LlamaModel:
         assert k is not None
         rows = x.shape[0]
         eps = a.rms_norm_eps
-        qkv = w.qkv(k.rms_norm(x, w.input_norm, eps))
+        qkv = self._qk_norm(w, w.qkv(k.rms_norm(x, w.input_norm, eps)))
         k.rope_and_cache(qkv, a.num_heads, a.num_kv_heads, a.head_dim, cos, sin,
                          plan.write_slots, kv.kv[index, 0], kv.kv[index, 1])  # fmt: skip
         q_end = a.num_heads * a.head_dim
@@ -206,7 +214,19 @@ class LlamaModel:
         v = qkv[:, k_end:].view(rows, a.num_kv_heads, a.head_dim)
         attn = self.backend.attend(q, kk, v, plan, kv, index)
         h = k.rms_norm(x, w.post_norm, eps, add=self.tp.all_reduce(w.o(attn)))  # x += o(attn)
-        return x.add_(self.tp.all_reduce(w.down(k.silu_mul(w.gate_up(h)))))
+        return x.add_(self.tp.all_reduce(_mlp(w, h, k.silu_mul)))
+
+    def _qk_norm(self, w: LayerWeights, qkv: torch.Tensor) -> torch.Tensor:
+        """Qwen3's RMSNorm of each q and k head (before rotary), in place in ``qkv``."""
+        if w.q_norm is None or w.k_norm is None:
+            return qkv
+        a = self.arch
+        rows, q_end = qkv.shape[0], a.num_heads * a.head_dim
+        q = qkv[:, :q_end].view(rows, a.num_heads, a.head_dim)
+        k = qkv[:, q_end : q_end + a.num_kv_heads * a.head_dim].view(rows, -1, a.head_dim)
+        q.copy_(self._rms_norm(q, w.q_norm))
+        k.copy_(self._rms_norm(k, w.k_norm))
+        return qkv
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # one fused op; the same arithmetic as below
@@ -214,6 +234,21 @@ class LlamaModel:
         # normalised in float32 and cast back before the weight, as transformers does
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.arch.rms_norm_eps)
         return weight * normed.to(x.dtype)
+
+
+def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _mlp(
+    w: LayerWeights, h: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """The layer's MLP of normed rows ``h``: its experts where it has them, else the dense one."""
+    if w.moe is not None:
+        return w.moe(h, act)
+    assert w.gate_up is not None and w.down is not None
+    return w.down(act(w.gate_up(h)))
 
 
 def _use_onednn(device: torch.device, dtype: torch.dtype) -> bool:
@@ -232,31 +267,82 @@ def _layer(
     onednn: bool = False,
     kernels: CpuKernels | None = None,
     tp: TPShard | None = None,
+    moe: MoEArch | None = None,
 ) -> LayerWeights:
     """One layer's weights, fused, of this rank's shard: q/k/v and gate/up by output rows
     (whole heads, a block of MLP columns), o and down by input columns; o's bias on rank 0 only,
-    as the ranks' partial outputs are summed."""
+    as the ranks' partial outputs are summed. ``moe``: the layer routes to experts."""
     attn = prefix + "self_attn."
-    mlp = prefix + "mlp."
     tp = tp or TPShard()
-
-    def cat(*names: str) -> torch.Tensor | None:
-        if any(n not in tensors for n in names):
-            return None
-        return torch.cat([tp.rows(get(n)) for n in names])
-
+    cat = _concat(tensors, get, tp)
     proj = [f"{attn}{p}_proj" for p in "qkv"]
     qkv = cat(*(p + ".weight" for p in proj))
-    gate_up = cat(mlp + "gate_proj.weight", mlp + "up_proj.weight")
-    if qkv is None or gate_up is None:
-        raise KeyError(f"checkpoint lacks attention or MLP weights under {prefix!r}")
+    if qkv is None:
+        raise KeyError(f"checkpoint lacks attention weights under {prefix!r}")
     o_bias = attn + "o_proj.bias"
+    has_qk_norm = attn + "q_norm.weight" in tensors
+    mlp = _moe(tensors, prefix, get, onednn, kernels, moe) if moe else None
+    gate_up, down = (
+        (None, None) if mlp else _dense_mlp(tensors, prefix + "mlp.", get, onednn, kernels, tp)
+    )
     return LayerWeights(
         input_norm=get(prefix + "input_layernorm.weight"),
         qkv=Linear("qkv proj", qkv, cat(*(p + ".bias" for p in proj)), onednn, kernels),
         o=Linear("o proj", tp.cols(get(attn + "o_proj.weight")),
                  get(o_bias) if o_bias in tensors and tp.rank == 0 else None, onednn, kernels),
         post_norm=get(prefix + "post_attention_layernorm.weight"),
-        gate_up=Linear("mlp", gate_up, None, onednn, kernels),
-        down=Linear("mlp", tp.cols(get(mlp + "down_proj.weight")), None, onednn, kernels),
+        gate_up=gate_up, down=down,
+        q_norm=get(attn + "q_norm.weight") if has_qk_norm else None,
+        k_norm=get(attn + "k_norm.weight") if has_qk_norm else None,
+        moe=mlp,
     )  # fmt: skip
+
+
+def _concat(
+    tensors: Mapping[str, torch.Tensor], get: Callable[[str], torch.Tensor], tp: TPShard
+) -> Callable[..., torch.Tensor | None]:
+    """``cat(*names)``: this rank's rows of the named tensors, stacked; None if one is absent."""
+
+    def cat(*names: str) -> torch.Tensor | None:
+        if any(n not in tensors for n in names):
+            return None
+        return torch.cat([tp.rows(get(n)) for n in names])
+
+    return cat
+
+
+def _dense_mlp(
+    tensors: Mapping[str, torch.Tensor],
+    mlp: str,
+    get: Callable[[str], torch.Tensor],
+    onednn: bool,
+    kernels: CpuKernels | None,
+    tp: TPShard,
+) -> tuple[Linear, Linear]:
+    """A SwiGLU MLP's fused gate/up and its down projection, named under ``mlp``."""
+    gate_up = _concat(tensors, get, tp)(mlp + "gate_proj.weight", mlp + "up_proj.weight")
+    if gate_up is None or mlp + "down_proj.weight" not in tensors:
+        raise KeyError(f"checkpoint lacks MLP weights under {mlp!r}")
+    down = tp.cols(get(mlp + "down_proj.weight"))
+    return Linear("mlp", gate_up, None, onednn, kernels), Linear("mlp", down, None, onednn, kernels)
+
+
+def _moe(
+    tensors: Mapping[str, torch.Tensor],
+    prefix: str,
+    get: Callable[[str], torch.Tensor],
+    onednn: bool,
+    kernels: CpuKernels | None,
+    moe: MoEArch,
+) -> MoEBlock:
+    """A sparse layer's router and experts (``mlp.gate`` and ``mlp.experts.{e}.*``, as the
+    released Qwen3-MoE checkpoints and transformers' ``save_pretrained`` name them)."""
+    mlp = prefix + "mlp."
+    if mlp + "gate.weight" not in tensors:
+        raise KeyError(f"checkpoint lacks the expert router {mlp}gate.weight")
+    router = Linear("moe router", get(mlp + "gate.weight"), None, onednn, kernels)
+    experts = [
+        _dense_mlp(tensors, f"{mlp}experts.{e}.", get, onednn, kernels, TPShard())
+        for e in range(moe.num_experts)
+    ]
+    return MoEBlock(moe, router, experts)

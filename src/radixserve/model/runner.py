@@ -96,6 +96,8 @@ class TorchRunner:
         that reads the padded decode layout (every GPU backend this engine has)."""
         if self.device.type != "cuda" or config.disable_cuda_graph or self.tp.size > 1:
             return False  # (a graph would capture the ranks' all-reduces: not done yet)
+        if self.model.arch.moe is not None:
+            return False  # the experts' row counts are read back each step: not capturable
         return self.backend.name in GRAPH_BACKENDS
 
     @property

@@ -57,6 +57,8 @@ def tp_problem(arch: ModelArch, size: int) -> str | None:
     must divide evenly: a rank keeps whole heads), or None."""
     if size == 1:
         return None
+    if arch.moe is not None:  # the experts' split is not written yet: refused, not run whole
+        return f"--tp-size {size}: {arch.model_type} (routed experts) runs on one rank only"
     parts = (("attention heads", arch.num_heads), ("KV heads", arch.num_kv_heads),
              ("MLP columns (intermediate_size)", arch.intermediate_size))  # fmt: skip
     for what, n in parts:
