@@ -46,7 +46,16 @@ def test_an_unsupported_config_is_one_line_naming_it(working, tmp_path, case):
     shutil.copytree(working, model)
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**config, **change}))
-    cmd = [sys.executable, "-m", "radixserve", "serve", "--model", str(model), "--port", "0",
+    _assert_refused_in_one_line(expected, "--model", str(model))
+
+
+def test_routed_experts_over_two_ranks_are_refused_in_one_line(working):
+    expected = "--tp-size 2: qwen3_moe (routed experts) runs on one rank only"
+    _assert_refused_in_one_line(expected, "--model", str(working), "--tp-size", "2")
+
+
+def _assert_refused_in_one_line(expected: str, *args: str) -> None:
+    cmd = [sys.executable, "-m", "radixserve", "serve", *args, "--port", "0",
            "--max-total-tokens", "4096"]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     lines = done.stderr.strip().splitlines()
