@@ -14,9 +14,9 @@ pytest.importorskip("grpc")
 pytest.importorskip("envoy")
 
 import grpc  # noqa: E402
-from envoy_harness import EnvoyProc, EppProc  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
+from envoy_harness import EnvoyProc, EppProc  # noqa: E402
 from radixserve.router.epp import protocol as p  # noqa: E402
 from radixserve.router.proxy.workers import ConnectionPool  # noqa: E402
 from test_router_fleet import FAST_HEALTH, launch_worker  # noqa: E402

@@ -11,7 +11,6 @@ import pytest
 pytest.importorskip("grpc")
 
 from envoy_harness import EppProc, get  # noqa: E402
-
 from test_router_fleet import FAST_HEALTH, launch_worker  # noqa: E402
 
 pytestmark = pytest.mark.slow

@@ -433,6 +433,68 @@ def test_chat_while_vllm_evicts_kv_aware_hits_more(vllm_pair, router):
     assert rates["kv_aware"].rate > rates["cache_aware"].rate, rates
 
 
+def test_behind_envoy_the_epp_routes_vllm_on_its_kv_events(vllm_pair, tmp_path):
+    """`radixserve epp --policy kv_aware` behind a real Envoy: the same discovery of vLLM's
+    publishers and load reads as `route`, repeats to the holder (vLLM itself hits), streams
+    through Envoy untouched."""
+    pytest.importorskip("grpc")
+    pytest.importorskip("envoy")
+    from envoy_harness import EnvoyProc, EppProc, get
+
+    epp = EppProc([s.url for s in vllm_pair], "--policy", "kv_aware",
+                  "--health-check-interval-secs", "0.5")  # fmt: skip
+    envoy = None
+    try:
+        envoy = EnvoyProc(epp.grpc_port, tmp_path)
+        wait_for(lambda: all(w.get("kv_events") and w["healthy"] for w in epp.workers().values()),
+                 "both publishers followed")  # fmt: skip
+
+        def served(text: str) -> str:
+            before = {u: w["requests"] for u, w in epp.workers().items()}
+            body = {"model": "smollm2", "prompt": text, "max_tokens": 1}
+            status, reply, _ = _post_via(envoy.addr, body)
+            assert status == 200, reply
+            after = epp.workers()
+            [url] = [u for u in after if after[u]["requests"] != before[u]]
+            return url
+
+        doc = document("gateway")
+        first = served(doc)
+        blocks = re.compile(
+            r'radixserve_router_kv_index_blocks\{[^}]*worker="'
+            + re.escape(first)
+            + r'"[^}]*\} (\S+)'
+        )
+        wait_for(lambda: float((blocks.search(get(epp.addr, "/metrics")[1].decode()) or [0, 0])[1]) >= 8,
+                 "the document's blocks indexed from vLLM's events")  # fmt: skip
+        holder = next(s for s in vllm_pair if s.url == first)
+        hits = holder.metrics().get("vllm:prefix_cache_hits_total", 0.0)
+        for i in range(3):
+            assert served(doc + f" question {i}") == first
+        assert holder.metrics()["vllm:prefix_cache_hits_total"] - hits >= 3 * 8 * BLOCK
+        wait_for(lambda: "reported_load" in epp.workers()[first], "vLLM's /metrics read")
+        body = {"model": "smollm2", "prompt": "one two three", "max_tokens": 8, "stream": True}
+        status, raw, _ = _post_via(envoy.addr, body)
+        assert status == 200 and raw.rstrip().endswith(b"data: [DONE]")
+    finally:
+        for proc in (envoy, epp):
+            if proc is not None:
+                proc.stop()
+
+
+def _post_via(addr: str, body: dict) -> tuple[int, bytes, dict]:
+    """POST /v1/completions as a client would (vLLM wants its Content-Type; Envoy passes the
+    client's headers as they are)."""
+    import http.client
+
+    conn = http.client.HTTPConnection(addr, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    out = resp.status, resp.read(), dict(resp.getheaders())
+    conn.close()
+    return out
+
+
 def test_a_restarted_vllm_is_followed_again(vllm_pair, router):
     """A vLLM server killed and started again on the same ports: the router drops what it
     expected there as soon as the event stream breaks, sends its traffic to the other worker
