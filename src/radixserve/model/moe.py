@@ -5,14 +5,18 @@ says) and the experts, each run once on just the rows routed to it.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from radixserve.model.arch import MoEArch
 
-if TYPE_CHECKING:
-    from radixserve.model.llama import Linear
+
+class Linear(Protocol):
+    """What the block needs of a projection: the engine's ``llama.Linear`` (named by shape, so
+    this module does not import the model that imports it)."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
 class MoEBlock:
