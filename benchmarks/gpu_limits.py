@@ -16,25 +16,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 import time
 import traceback
-from array import array
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
+from _limits import decode_batch, decode_bound_s, prefill_batch, prefill_flops, timed, weight_bytes
 from _machine import machine_line
 from radixserve.config import ModelConfig
 from radixserve.model.cuda_graphs import DecodeGraphs
-from radixserve.model.kv_pool import KVPool
 from radixserve.model.runner import TorchRunner
-from radixserve.sched.batch import Batch, BatchEntry
-from radixserve.sched.request import SamplingParams
 
 SHAPES = {  # config.json fields of real models (rope scaling left out: it costs nothing here)
     "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
@@ -46,24 +41,7 @@ SHAPES = {  # config.json fields of real models (rope scaling left out: it costs
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
 }  # fmt: skip
-GREEDY = SamplingParams(temperature=0.0, max_new_tokens=1 << 20)
 PREFILLS = ((1, 2048), (4, 2048), (8, 2048))  # (prompts, tokens each)
-
-
-def timed(fn: Callable[[], object], reps: int, device: torch.device) -> float:
-    """Median seconds of ``fn`` after two warm-ups, synchronised around each call."""
-    for _ in range(2):
-        fn()
-    out = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out)
 
 
 def ceilings(device: torch.device, dtype: torch.dtype, n: int, nbytes: int) -> dict:
@@ -109,32 +87,8 @@ def build_model(root: Path, shape: dict, dtype: torch.dtype, device: torch.devic
     return root
 
 
-def weight_bytes(runner: TorchRunner) -> int:
-    """Bytes of every weight a decode step reads (the tied embedding once, as the LM head)."""
-    a, size = runner.arch, runner.dtype.itemsize
-    hd = a.head_dim
-    layer = (
-        a.hidden_size * (a.num_heads + 2 * a.num_kv_heads) * hd + a.num_heads * hd * a.hidden_size
-    )
-    layer += 3 * a.hidden_size * a.intermediate_size + 2 * a.hidden_size
-    head = a.vocab_size * a.hidden_size * (1 if a.tie_word_embeddings else 2)
-    return (a.num_layers * layer + head + a.hidden_size) * size
-
-
-def decode_batch(b: int, ctx: int, first: int = 0) -> Batch:
-    """``b`` decodes, each at position ``ctx - 1`` over ``ctx`` slots of its own."""
-    entries = []
-    for i in range(b):
-        slots = array("q", range(first + i * ctx, first + (i + 1) * ctx))
-        entries.append(BatchEntry(f"d{i}", [7 + i % 50], ctx - 1, slots, True, GREEDY, False, 1))
-    return Batch(entries)
-
-
 def decode_rows(runner: TorchRunner, graphs: DecodeGraphs, batches: list[int], ctx: int,
                 bw: float, reps: int) -> list[dict]:  # fmt: skip
-    a = runner.arch
-    kv_tok = KVPool.bytes_per_slot(a.num_layers, a.num_kv_heads, a.head_dim, runner.kv_dtype)
-    wbytes = weight_bytes(runner)
     rows = []
     for b in batches:
         batch = decode_batch(b, ctx)
@@ -147,32 +101,18 @@ def decode_rows(runner: TorchRunner, graphs: DecodeGraphs, batches: list[int], c
         last = next(reversed(graphs.graphs.values()))  # the bucket this batch ran in
         if last.graph is not None:  # the graph alone: its kernels, no host work around it
             row["replay_ms"] = timed(last.graph.replay, reps, runner.device) * 1e3
-        row["bound_ms"] = (wbytes + b * ctx * kv_tok) / bw * 1e3
+        row["bound_ms"] = decode_bound_s(runner, b, ctx, bw) * 1e3
         rows.append(row)
         print(f"  decode B={b}: {row}", flush=True)
     return rows
-
-
-def prefill_flops(runner: TorchRunner, prompts: int, length: int) -> float:
-    """Matmul FLOPs of ``prompts`` fresh prompts of ``length`` tokens (LM head on each last
-    token) plus causal attention (QK^T and PV over the L(L+1)/2 visible pairs)."""
-    a = runner.arch
-    hd, h = a.head_dim, a.hidden_size
-    per_tok = h * (a.num_heads + 2 * a.num_kv_heads) * hd + a.num_heads * hd * h
-    per_tok = a.num_layers * (per_tok + 3 * h * a.intermediate_size)
-    attn = a.num_layers * 4 * a.num_heads * hd * length * (length + 1) // 2
-    return prompts * (2 * per_tok * length + attn + 2 * a.vocab_size * h)
 
 
 def prefill_rows(runner: TorchRunner, peak: float, reps: int, sizes: tuple) -> list[dict]:
     rows = []
     runner.graphs = None
     for prompts, length in sizes:
-        entries = [BatchEntry(f"p{i}", [(13 * i + 7 * j) % 300 for j in range(length)], 0,
-                              array("q", range(i * length, (i + 1) * length)), True, GREEDY,
-                              True)  # fmt: skip
-                   for i in range(prompts)]  # fmt: skip
-        s = timed(lambda e=entries: runner.run(Batch(e)), reps, runner.device)
+        batch = prefill_batch(prompts, length)
+        s = timed(lambda batch=batch: runner.run(batch), reps, runner.device)
         tflops = prefill_flops(runner, prompts, length) / s / 1e12
         rows.append({"prompts": prompts, "length": length, "ms": s * 1e3, "tflops": tflops,
                      "of_peak": tflops / peak})  # fmt: skip
