@@ -18,7 +18,7 @@ Prints the workload, the machine (lscpu model, cores, load average before and af
 median over rounds of each figure and ratio. ``--profile`` adds torch.profiler's table of a
 decode step (ops by self CPU time).
 
-    python benchmarks/cpu_limits.py [--rounds 5] [--prompt-len 1600] [--batch 8] [--context 512]
+    python benchmarks/cpu_limits.py [--rounds 3] [--prompt-len 1600] [--batch 8] [--context 512]
     python benchmarks/cpu_limits.py --rounds 1 --prompt-len 48 --batch 2 --context 32 \
         --gemm-sizes 256 --stream-mib 8  # smoke
 """
@@ -109,10 +109,10 @@ def one_round(runner: TorchRunner, args: argparse.Namespace) -> dict:
     gemm = gemm_gflops(args.gemm_sizes, args.gemm_reps)
     copy, triad = stream_gbs(args.stream_mib, args.stream_reps)
     chunks = prefill_chunks(args.prompt_len, args.chunk)
-    pre_s = timed(lambda: run_all(runner, chunks), args.prefill_reps, CPU, warmup=1)
+    pre_s = timed(lambda: run_all(runner, chunks), args.prefill_reps, CPU, warmup=0)
     pre_gflops = prefill_flops(runner, 1, args.prompt_len) / pre_s / 1e9
     batch = decode_batch(args.batch, args.context, first=args.prompt_len)
-    dec_s = timed(lambda: runner.run(batch), args.decode_reps, CPU)
+    dec_s = timed(lambda: runner.run(batch), args.decode_reps, CPU, warmup=1)
     bound_s = decode_bound_s(runner, args.batch, args.context, copy * 1e9)
     r = {"gemm_gflops": gemm, "copy_gbs": copy, "triad_gbs": triad, "prefill_s": pre_s,
          "prefill_gflops": pre_gflops, "prefill_of_gemm": pre_gflops / gemm,
@@ -144,7 +144,7 @@ def profile_decode(runner: TorchRunner, args: argparse.Namespace, rows: int = 15
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--prompt-len", type=int, default=1600)
     p.add_argument("--chunk", type=int, default=1024, help="prefill chunk (the server's on a CPU)")
     p.add_argument("--batch", type=int, default=8)
@@ -153,8 +153,8 @@ def main() -> None:
     p.add_argument("--gemm-reps", type=int, default=3)
     p.add_argument("--stream-mib", type=int, default=256, help="MiB per STREAM array")
     p.add_argument("--stream-reps", type=int, default=5)
-    p.add_argument("--prefill-reps", type=int, default=2)
-    p.add_argument("--decode-reps", type=int, default=10)
+    p.add_argument("--prefill-reps", type=int, default=1, help="per round, after one warm-up")
+    p.add_argument("--decode-reps", type=int, default=6)
     p.add_argument("--num-threads", type=int, default=0, help="as the engine's --num-threads")
     p.add_argument("--profile", action="store_true", help="torch.profiler table of decode steps")
     args = p.parse_args()
@@ -171,6 +171,7 @@ def main() -> None:
           f"{decode_bound_s(runner, args.batch, args.context, 1.0) / 1e6 - weight_bytes(runner) / 1e6:.0f} MB KV); "
           f"GEMM {args.gemm_sizes} fp32; STREAM arrays {args.stream_mib} MiB; "
           f"{args.rounds} round(s)", flush=True)  # fmt: skip
+    run_all(runner, prefill_chunks(args.prompt_len, args.chunk))  # warm-up, once for all rounds
     rounds = [one_round(runner, args) for _ in range(args.rounds)]
     print(lscpu_line().split("; ")[-1] + " (after)")
     med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
