@@ -197,7 +197,7 @@ NO_SDK = ("import sys; sys.modules['opentelemetry.sdk'] = None; from radixserve.
           "sys.exit(main(sys.argv[1:]))")  # fmt: skip
 
 
-@pytest.mark.parametrize("command", [["route"], ["serve", "--sim", "tiny-cpu"]])
+@pytest.mark.parametrize("command", [["route"], ["epp"], ["serve", "--sim", "tiny-cpu"]])
 def test_enable_trace_without_the_extra_is_one_line(command):
     run = subprocess.run([sys.executable, "-c", NO_SDK, *command, "--enable-trace"],
                          capture_output=True, text=True, timeout=60)  # fmt: skip
@@ -206,7 +206,7 @@ def test_enable_trace_without_the_extra_is_one_line(command):
     assert "Traceback" not in run.stderr and len(run.stderr.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("command", [["route"], ["serve", "--sim", "tiny-cpu"]])
+@pytest.mark.parametrize("command", [["route"], ["epp"], ["serve", "--sim", "tiny-cpu"]])
 def test_endpoint_without_enable_trace_is_refused(command):
     run = subprocess.run([sys.executable, "-m", "radixserve", *command,
                           "--otlp-traces-endpoint", "127.0.0.1:4318"],

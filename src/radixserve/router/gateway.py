@@ -9,6 +9,7 @@ import asyncio
 import logging
 import signal
 import sys
+import time
 from typing import Any
 
 from radixserve.config import add_dataclass_args, from_args
@@ -61,35 +62,85 @@ def run(args: argparse.Namespace) -> int:
 
 
 class RouterPicker:
-    """The epp.service.Picker over a Router."""
+    """The epp.service.Picker over a Router; with --enable-trace, each pick is a
+    `radixserve.epp` span (continuing the request's traceparent) over its
+    `radixserve.route.decision`, and the engine is sent a traceparent under it."""
 
     def __init__(self, router: Any) -> None:
         from radixserve.router.proxy import external
 
-        self.router, self.external = router, external
+        self.router, self.external, self.tracer = router, external, router.tracer
 
-    async def pick(self, body: bytes, path: str, allowed: set[str] | None) -> Any:
+    async def pick(
+        self, body: bytes, path: str, allowed: set[str] | None, traceparent: str | None = None
+    ) -> Any:
         from radixserve.router.epp.service import Pick
 
+        span = self._open(path, traceparent)
+        picking = time.time_ns()
         try:
             found = await self.external.choose(self.router, body or b"{}", path, allowed)
         except (ValueError, TypeError, AttributeError) as exc:
-            return Pick(None, status=400, message=f"request body is not a JSON object: {exc}")
+            return self._refused(
+                span, Pick(None, status=400, message=f"request body is not a JSON object: {exc}")
+            )
         if found is None:
-            if self.external.shedding(self.router):
-                msg = "every worker reports a queue or KV usage past the overload threshold"
-                return Pick(None, status=429, message=msg)
-            why = "none of the endpoints in the subset hint" if allowed is not None else "none"
-            return Pick(None, status=503, message=f"no healthy worker available ({why} fits)")
+            return self._refused(span, self._none_fits(allowed))
         worker, view = found
         self.external.dispatched(self.router, worker, view)
-        return Pick(self.external.endpoint(worker), (worker, view))
+        pick = Pick(self.external.endpoint(worker), (worker, view, span))
+        if span is not None:
+            pick.headers["traceparent"] = self._decided(span, worker, picking)
+        return pick
+
+    def _none_fits(self, allowed: set[str] | None) -> Any:
+        from radixserve.router.epp.service import Pick
+
+        if self.external.shedding(self.router):
+            msg = "every worker reports a queue or KV usage past the overload threshold"
+            return Pick(None, status=429, message=msg)
+        why = "none of the endpoints in the subset hint" if allowed is not None else "none"
+        return Pick(None, status=503, message=f"no healthy worker available ({why} fits)")
+
+    def _open(self, path: str, traceparent: str | None) -> Any:
+        """The request's span, or None when not tracing."""
+        if self.tracer is None:
+            return None
+        return self.tracer.start(
+            "radixserve.epp", traceparent or None, "server", {"url.path": path}
+        )
+
+    def _decided(self, span: Any, worker: Any, picking: int) -> str:
+        """Record the decision (the policy has counted its expected hit by now); returns the
+        traceparent the engine gets, so that its spans sit under this request's."""
+        policy = self.router.policy
+        attrs: dict[str, Any] = {"radixserve.routing.policy": self.router.config.policy,
+                                 "radixserve.routing.worker": worker.url,
+                                 "radixserve.routing.worker_id": worker.id}  # fmt: skip
+        if policy.last_hit is not None:  # tokens with a KV index, the tree's units without
+            unit = "tokens" if policy.index is not None else "units"
+            attrs[f"radixserve.routing.expected_hit_{unit}"] = policy.last_hit
+        self.tracer.record("radixserve.route.decision", span, picking, time.time_ns(), attrs)
+        return self.tracer.traceparent(span)
+
+    @staticmethod
+    def _refused(span: Any, pick: Any) -> Any:
+        """No endpoint: the span ends with the status the EPP answers."""
+        if span is not None:
+            span.set_attribute("http.response.status_code", pick.status)
+            span.set_attribute("error.type", str(pick.status))
+            span.end()
+        return pick
 
     def done(self, handle: Any, status: int | None, served: str | None) -> None:
-        worker, view = handle
+        worker, view, span = handle
         if served is not None and served != self.external.endpoint(worker):
             log.warning("picked %s, the proxy says %s served", worker.url, served)
         self.external.settled(self.router, worker, view, status)
+        if span is not None:  # the request's response headers are back (or its stream ended)
+            if status is not None:
+                span.set_attribute("http.response.status_code", status)
+            span.end()
 
     def ready(self) -> bool:
         return self.router.registry.routable() > 0

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import grpc
@@ -22,18 +22,22 @@ SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 @dataclass(slots=True)
 class Pick:
     """A picker's answer: an endpoint (`host:port`) and the picker's own handle for `done`,
-    or no endpoint and the HTTP status and message to answer with."""
+    or no endpoint and the HTTP status and message to answer with; `headers` are set on the
+    request Envoy sends on (e.g. the traceparent that joins the engine's spans to the pick's)."""
 
     endpoint: str | None
     handle: Any = None
     status: int = 503
     message: str = ""
+    headers: dict[str, str] = field(default_factory=dict)
 
 
 class Picker(Protocol):
     """What the service needs of whoever picks (radixserve's router, wired by `radixserve epp`)."""
 
-    async def pick(self, body: bytes, path: str, allowed: set[str] | None) -> Pick: ...
+    async def pick(
+        self, body: bytes, path: str, allowed: set[str] | None, traceparent: str | None
+    ) -> Pick: ...
 
     def done(self, handle: Any, status: int | None, served: str | None) -> None: ...
 
@@ -96,12 +100,13 @@ class EndpointPicker:
 
     async def _picked(self, state: Stream, with_body: bool) -> list[Any]:
         path = state.headers.get(":path", "").split("?", 1)[0]
-        state.pick = pick = await self.picker.pick(bytes(state.body), path, state.allowed)
+        trace = state.headers.get("traceparent")
+        state.pick = pick = await self.picker.pick(bytes(state.body), path, state.allowed, trace)
         self.decisions += 1
         if pick.endpoint is None:
             kind = "rate_limit_exceeded" if pick.status == 429 else "service_unavailable"
             return [p.immediate(pick.status, pick.message, kind)]
-        answers = p.picked(pick.endpoint, bytes(state.body), {})
+        answers = p.picked(pick.endpoint, bytes(state.body), pick.headers)
         return answers if with_body else answers[:1]
 
 
