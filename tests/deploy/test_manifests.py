@@ -206,3 +206,34 @@ def test_inferencepool_schema_reads_the_v1_shape() -> None:
                    {**spec, "endpointPickerRef": {**spec["endpointPickerRef"], "failureMode": "Open"}}):  # fmt: skip
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate({**pool, "spec": broken}, schema)
+
+
+def test_the_inferencepool_selects_the_engines_and_points_at_the_epp() -> None:
+    """The pool's selector picks the engine pods, its target port is theirs, its picker is the
+    EPP's Service on the port the EPP serves ext_proc on; the EPP reads its workers from the
+    mounted ConfigMap (it has no pod discovery), and its probes ask its gRPC health."""
+    [pool] = [d for _, d in documents() if d["kind"] == "InferencePool"]
+    engines = [d for _, d in workloads()
+               if pool["spec"]["selector"]["matchLabels"].items()
+               <= d["spec"]["template"]["metadata"]["labels"].items()]  # fmt: skip
+    assert [d["metadata"]["name"] for d in engines] == ["radixserve-engine"]
+    engine_ports = {p["containerPort"] for p in
+                    engines[0]["spec"]["template"]["spec"]["containers"][0]["ports"]}  # fmt: skip
+    assert {p["number"] for p in pool["spec"]["targetPorts"]} <= engine_ports
+    ref = pool["spec"]["endpointPickerRef"]
+    svc = services()[ref["name"]]
+    [epp] = pods_of(svc)
+    [container] = epp["spec"]["template"]["spec"]["containers"]
+    args = build_parser().parse_args(container["args"])
+    assert args.command == "epp" and ref["port"]["number"] == args.grpc_port
+    assert ref["port"]["number"] in {p["port"] for p in svc["spec"]["ports"]}
+    assert container["readinessProbe"]["grpc"]["port"] == args.grpc_port
+    [mount] = container["volumeMounts"]
+    [volume] = epp["spec"]["template"]["spec"]["volumes"]
+    assert args.worker_file.startswith(mount["mountPath"] + "/")
+    configmap = next(d for _, d in documents() if d["kind"] == "ConfigMap"
+                     and d["metadata"]["name"] == volume["configMap"]["name"])  # fmt: skip
+    key = args.worker_file.removeprefix(mount["mountPath"] + "/")
+    from radixserve.router.discovery import parse_worker_file
+
+    assert parse_worker_file(configmap["data"][key]) == []  # the operator fills it in
