@@ -32,7 +32,7 @@ OTHER = [rng.randrange(4, 300) for _ in range(17)]
 SERVER_ARGS = ("--max-total-tokens", "4096", "--context-length", "256", "--log-level", "info")
 
 
-@pytest.fixture(scope="module", params=["llama3", "qwen2", "qwen3"])
+@pytest.fixture(scope="module", params=["llama3", "qwen2", "qwen3", "qwen3_moe"])
 def model_dir(request, tmp_path_factory):
     return build_tiny_model(request.param, tmp_path_factory.mktemp("tiny-tp"))
 

@@ -49,9 +49,16 @@ def test_an_unsupported_config_is_one_line_naming_it(working, tmp_path, case):
     _assert_refused_in_one_line(expected, "--model", str(model))
 
 
-def test_routed_experts_over_two_ranks_are_refused_in_one_line(working):
-    expected = "--tp-size 2: qwen3_moe (routed experts) runs on one rank only"
-    _assert_refused_in_one_line(expected, "--model", str(working), "--tp-size", "2")
+def test_experts_whose_columns_do_not_split_over_the_ranks_are_refused_in_one_line(
+    working, tmp_path
+):
+    model = tmp_path / "odd-experts"
+    shutil.copytree(working, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "moe_intermediate_size": 33}))
+    expected = ("--tp-size 2: the model has 33 expert MLP columns (moe_intermediate_size), "
+                "not divisible by 2")  # fmt: skip
+    _assert_refused_in_one_line(expected, "--model", str(model), "--tp-size", "2")
 
 
 def _assert_refused_in_one_line(expected: str, *args: str) -> None:

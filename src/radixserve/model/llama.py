@@ -281,7 +281,7 @@ def _layer(
         raise KeyError(f"checkpoint lacks attention weights under {prefix!r}")
     o_bias = attn + "o_proj.bias"
     has_qk_norm = attn + "q_norm.weight" in tensors
-    mlp = _moe(tensors, prefix, get, onednn, kernels, moe) if moe else None
+    mlp = _moe(tensors, prefix, get, onednn, kernels, moe, tp) if moe else None
     gate_up, down = (
         (None, None) if mlp else _dense_mlp(tensors, prefix + "mlp.", get, onednn, kernels, tp)
     )
@@ -334,6 +334,7 @@ def _moe(
     onednn: bool,
     kernels: CpuKernels | None,
     moe: MoEArch,
+    tp: TPShard,
 ) -> MoEBlock:
     """A sparse layer's router and experts (``mlp.gate`` and ``mlp.experts.{e}.*``, as the
     released Qwen3-MoE checkpoints and transformers' ``save_pretrained`` name them)."""
@@ -341,8 +342,11 @@ def _moe(
     if mlp + "gate.weight" not in tensors:
         raise KeyError(f"checkpoint lacks the expert router {mlp}gate.weight")
     router = Linear("moe router", get(mlp + "gate.weight"), None, onednn, kernels)
+    # each expert split as the dense MLP is (a block of its columns per rank), not whole experts
+    # per rank: every rank routes the same rows, so the load is even whatever the router picks,
+    # and the layer's one all-reduce sums the experts' partial outputs as it does the dense MLP's
     experts = [
-        _dense_mlp(tensors, f"{mlp}experts.{e}.", get, onednn, kernels, TPShard())
+        _dense_mlp(tensors, f"{mlp}experts.{e}.", get, onednn, kernels, tp)
         for e in range(moe.num_experts)
     ]
     return MoEBlock(moe, router, experts)

@@ -57,10 +57,10 @@ def tp_problem(arch: ModelArch, size: int) -> str | None:
     must divide evenly: a rank keeps whole heads), or None."""
     if size == 1:
         return None
-    if arch.moe is not None:  # the experts' split is not written yet: refused, not run whole
-        return f"--tp-size {size}: {arch.model_type} (routed experts) runs on one rank only"
     parts = (("attention heads", arch.num_heads), ("KV heads", arch.num_kv_heads),
              ("MLP columns (intermediate_size)", arch.intermediate_size))  # fmt: skip
+    if arch.moe is not None:  # each expert's columns split as the dense MLP's
+        parts += (("expert MLP columns (moe_intermediate_size)", arch.moe.intermediate_size),)
     for what, n in parts:
         if n % size:
             return f"--tp-size {size}: the model has {n} {what}, not divisible by {size}"
