@@ -511,6 +511,11 @@ def add_dataclass_args(
             continue
         if "choices" in f.metadata:
             kw["choices"] = choices_of(f.metadata["choices"])
+        if f.metadata.get("repeat"):  # --prefill URL [PORT] --prefill URL2: one list each
+            nargs = "+" if f.metadata["repeat"] is True else f.metadata["repeat"]
+            kw.update(action="append", nargs=nargs, default=None, metavar=f.metadata.get("metavar"))
+            group.add_argument(flag, **kw)
+            continue
         if typing.get_origin(tp) is tuple:  # a list flag, as in sglang-router: --worker-urls A B C
             tp = typing.get_args(tp)[0]
             kw.update(nargs="*", metavar=f.metadata.get("metavar"))

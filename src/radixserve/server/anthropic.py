@@ -37,7 +37,12 @@ from radixserve.server.chat_io import (
 )
 from radixserve.server.chat_output import ChatOutput
 from radixserve.server.errors import ApiError
-from radixserve.server.protocol import ChatCompletionRequest, openapi_body, scheduling_fields
+from radixserve.server.protocol import (
+    ChatCompletionRequest,
+    bootstraps,
+    openapi_body,
+    scheduling_fields,
+)
 from radixserve.server.responses import Choice, JSONBody
 from radixserve.server.routes import chat_input, stream_response
 from radixserve.server.state import ServerState, read_json
@@ -137,6 +142,7 @@ async def _messages(
     sampling["skip_special_tokens"] = not keeps_special_tokens(output, chat)
     inp = state.prepare(chat_input(state, chat), sampling, None, ("messages", "max_tokens"))
     inp = dataclasses.replace(inp, **scheduling_fields(chat))
+    (inp,) = state.with_bootstrap([inp], bootstraps(body, 1))
     head = {"id": message_id(), "type": "message", "role": "assistant", "model": state.model_name}
     gen = state.start([inp], start)
     if body.stream:

@@ -14,7 +14,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from radixserve.chat.anthropic import chat_messages, chat_tools
 from radixserve.server.errors import ApiError
-from radixserve.server.protocol import TopK, unsupported
+from radixserve.server.protocol import (
+    BootstrapHost,
+    BootstrapPort,
+    BootstrapRoom,
+    TopK,
+    unsupported,
+)
 
 _ALPHABET = string.ascii_letters + string.digits
 NO_MEDIA = "this server serves text-only models"
@@ -158,6 +164,10 @@ class MessagesRequest(_Prompt):
     top_k: TopK = -1
     metadata: Metadata | None = None
     service_tier: Any = unsupported("one tier only", None, ("auto", "standard_only"))
+    # SGLang's prefill/decode fields, as on the OpenAI routes (a PD router fills them)
+    bootstrap_host: BootstrapHost = None
+    bootstrap_port: BootstrapPort = None
+    bootstrap_room: BootstrapRoom = None
 
 
 class CountTokensRequest(_Prompt):

@@ -12,6 +12,7 @@ from urllib.parse import parse_qs, unquote
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from radixserve.router.proxy.config import DEFAULT_BOOTSTRAP_PORT
 from radixserve.router.proxy.connections import ClientConn, Request, error_body
 from radixserve.router.proxy.worker_kinds import http_get
 from radixserve.router.proxy.worker_shapes import (
@@ -162,13 +163,18 @@ class Endpoints:
         """Register a worker; it takes traffic once its first health probe passes (and, with
         kv_aware, once its tokenizer is checked and its KV events subscribed to). Optional
         ``type`` (radixserve, vllm, sglang; default: --worker-type) and ``kv_events``
-        (``{"endpoint", "replay_endpoint", "topic"}``: where it publishes, if not where it says)."""
+        (``{"endpoint", "replay_endpoint", "topic"}``: where it publishes, if not where it says);
+        with --pd-disaggregation ``role`` (prefill or decode) and, for a prefill worker,
+        ``bootstrap_port`` (default 8998)."""
         body = _json(req) if req.body else {}
-        unknown = sorted(set(body) - {"url", "type", "kv_events"})
+        unknown = sorted(set(body) - {"url", "type", "kv_events", "role", "bootstrap_port"})
         if unknown:  # nothing a client sets is silently ignored
-            return 400, error_body(
-                400, f"unknown field(s) {', '.join(unknown)}: accepted are url, type, kv_events"
-            )
+            return 400, error_body(400, f"unknown field(s) {', '.join(unknown)}: accepted are "
+                                   "url, type, kv_events, role, bootstrap_port")  # fmt: skip
+        try:
+            role, port = worker_role(body, self.config.pd_disaggregation)
+        except ValueError as exc:
+            return 400, error_body(400, str(exc))
         url = _query(req, "url") or body.get("url")
         if not isinstance(url, str) or not url:
             return 400, error_body(400, 'give the worker as ?url= or a JSON body {"url": ...}')
@@ -177,7 +183,7 @@ class Endpoints:
             return 400, error_body(400, f"type must be one of {', '.join(KINDS)}, not {kind!r}")
         try:
             override = parse_kv_events(body["kv_events"]) if "kv_events" in body else None
-            worker = self.registry.add(url, await resolve(url), healthy=False)
+            worker = self.registry.add(url, await resolve(url), False, role, port)
         except ValueError as exc:
             status = 409 if isinstance(exc, DuplicateWorker) else 400
             return status, error_body(status, str(exc))
@@ -250,3 +256,18 @@ def _json(req: Request) -> dict:
     except ValueError:
         return {}
     return obj if isinstance(obj, dict) else {}
+
+
+def worker_role(body: dict, pd: bool) -> tuple[str, int | None]:
+    """(role, bootstrap port) of a worker being added; ValueError saying what is wrong."""
+    role, port = body.get("role"), body.get("bootstrap_port")
+    if not pd:
+        if role not in (None, "neutral") or port is not None:
+            raise ValueError("role and bootstrap_port are for a router started with "
+                             "--pd-disaggregation (its workers are all neutral)")  # fmt: skip
+        return "neutral", None
+    if role not in ("prefill", "decode"):
+        raise ValueError(f'a PD router\'s workers need "role": "prefill" or "decode", not {role!r}')
+    if port is not None and (role != "prefill" or type(port) is not int or not 0 < port < 65536):
+        raise ValueError("bootstrap_port: a prefill worker's port, 1-65535")
+    return role, (port or DEFAULT_BOOTSTRAP_PORT) if role == "prefill" else None

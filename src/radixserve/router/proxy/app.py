@@ -24,7 +24,7 @@ from radixserve.router.policies.tree_keys import units
 from radixserve.router.proxy.admin import INFERENCE, Endpoints, Handler
 from radixserve.router.proxy.admission import Admission
 from radixserve.router.proxy.config import RouterConfig
-from radixserve.router.proxy.connections import ClientConn, Request, error_body
+from radixserve.router.proxy.connections import ClientConn, Request, error_body, passback
 from radixserve.router.proxy.kv_setup import KvRouting, open_kv_index
 from radixserve.router.proxy.metrics import BUCKETS, metrics_registry
 from radixserve.router.proxy.request_body import request_view, routed_payload
@@ -70,7 +70,12 @@ class Router(Endpoints):
             self.policy = create_policy(config.policy, config.cache_policy)
         self.policy.defer_eviction = True  # off the dispatch path: see _evict_in_slices
         self._evicting: asyncio.Task[None] | None = None
-        self.registry = WorkerRegistry(config.health, self.policy.on_worker_removed)
+        self.pd = None
+        if config.pd_disaggregation:
+            from radixserve.router.proxy.pd import PdDispatch
+
+            self.pd = PdDispatch(self)
+        self.registry = WorkerRegistry(config.health, self._worker_removed)
         # kv_aware: an index fed by the workers' KV events, prompts tokenized as they do
         has_index = self.policy.index is not None
         # on Redis the kv-indexer follows the events; on Mooncake the router does, as in memory
@@ -111,6 +116,8 @@ class Router(Endpoints):
             worker = self.registry.add(url, await resolve(url))
             self.kinds.register(worker.id, worker.url)
             self.admit_later(worker)  # in the background: an unreachable worker delays nothing
+        if self.pd is not None:
+            await self.pd.add_configured()
         self.registry.start()
         if self.config.cache_policy.eviction_interval_secs > 0:
             self._ticker = asyncio.get_running_loop().create_task(self._tick_loop())
@@ -135,6 +142,11 @@ class Router(Endpoints):
         if self.tracer is not None:
             self.tracer.close()
 
+    def _worker_removed(self, worker_id: str) -> None:
+        self.policy.on_worker_removed(worker_id)
+        if self.pd is not None:
+            self.pd.decode_policy.on_worker_removed(worker_id)
+
     def _worker_id(self, url: str) -> str | None:
         worker = self.registry.by_url(url)
         return None if worker is None else worker.id
@@ -157,7 +169,7 @@ class Router(Endpoints):
             why = "on Redis: `radixserve kv-indexer` follows them" if self.kv else "policy "
             self.kinds.not_following(worker.id, worker.url, why if self.kv else
                                      why + self.config.policy + " does not read KV events")  # fmt: skip
-        if self.kv is None:
+        if self.kv is None or worker.role == "decode":  # a decode worker's prefixes route nothing
             return True
         fetch = self.kinds.adapter(worker.id, worker.url, get)
         kind = await self.kinds.identify(worker.id, worker.url, get)
@@ -253,6 +265,8 @@ class Router(Endpoints):
     async def proxy(self, conn: ClientConn, req: Request) -> None:
         """Route, forward and relay one inference request, retrying elsewhere while nothing
         has reached the client yet and the failure is one worth retrying."""
+        if self.pd is not None:
+            return await self.pd.proxy(conn, req)
         try:
             view = await self._request_view(req.body, req.path)
         except (ValueError, TypeError, AttributeError) as exc:
@@ -415,7 +429,7 @@ class Router(Endpoints):
             if not chunked or status >= 500:
                 return None  # buffered: a 5xx may be retried, and is not a stream anyway
             streamed = True
-            conn.begin_stream(status, _passback(headers, req.rid), req.http11)
+            conn.begin_stream(status, passback(headers, req.rid), req.http11)
             return conn.chunk
 
         try:
@@ -443,7 +457,7 @@ class Router(Endpoints):
         if streamed:
             conn.end_stream(req.keep_alive)
         else:
-            headers = _passback(resp.headers, req.rid)
+            headers = passback(resp.headers, req.rid)
             conn.send(resp.status, None, resp.body, req.keep_alive, headers)
         return None
 
@@ -467,16 +481,3 @@ class Failure(NamedTuple):
     status: int
     retry: bool
     lost: bool
-
-
-# Hop-by-hop headers and those the router writes itself are not passed back.
-_HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"content-length",
-                  b"te", b"trailer", b"upgrade", b"proxy-authenticate", b"x-request-id"})  # fmt: skip
-
-
-def _passback(headers: Headers, rid: str) -> bytes:
-    """The worker's response headers worth passing to the client, as header lines."""
-    lines = [n + b": " + v + b"\r\n" for n, v in headers if n not in _HOP]
-    if not any(n == b"content-type" for n, _ in headers):
-        lines.append(b"Content-Type: application/json\r\n")
-    return b"".join(lines) + b"X-Request-Id: " + rid.encode() + b"\r\n"

@@ -66,7 +66,7 @@ async def serve(config: RouterConfig) -> None:
         "routing on http://%s:%d to %d worker(s) with policy %s (event loop: %s)",
         config.host,
         port,
-        len(config.worker_urls),
+        len(config.worker_urls) + len(config.prefill) + len(config.decode),
         config.policy,
         type(loop).__module__.split(".")[0],
     )

@@ -80,6 +80,31 @@ class RouterConfig:
         (), "workers to route to at start (more can be added later)", metavar="URL"
     )
     policy: str = _f("cache_aware", "routing policy", choices=policy_names())
+    pd_disaggregation: bool = _f(
+        False,
+        "prefill and decode on different engines: each request goes at once to a prefill "
+        "worker (--prefill) and a decode worker (--decode) with SGLang's bootstrap fields; the "
+        "client gets the decode worker's answer",
+    )
+    prefill: tuple[tuple[str, int | None], ...] = _f(
+        (),
+        "PD: a prefill worker and its --disaggregation-bootstrap-port (default 8998); repeat "
+        "the flag for more",
+        metavar=("URL", "BOOTSTRAP_PORT"),
+        repeat=True,
+    )
+    decode: tuple[str, ...] = _f(
+        (), "PD: a decode worker; repeat the flag for more", metavar="URL", repeat=1
+    )
+    prefill_policy: str | None = _f(
+        None,
+        "PD: the policy that picks the prefill worker (default: --policy); the prefix-aware "
+        "ones pay off here, where prompts are computed and cached",
+        choices=policy_names(),
+    )
+    decode_policy: str = _f(
+        "least_load", "PD: the policy that picks the decode worker", choices=policy_names()
+    )
     worker_type: str = _f(
         "auto",
         "what the --worker-urls run: radixserve, vllm or sglang (auto: recognised by their "
@@ -239,6 +264,7 @@ class RouterConfig:
         caps = (self.max_concurrent_requests, self.queue_size)
         if min(limits) < 1 or min(timeouts) <= 0 or min(caps) < 0 or self.queue_timeout_secs <= 0:
             raise ValueError("size limits, connection caps and timeouts must be positive")
+        self._check_pd()
         self._check_kv_index()
         # argparse hands over a list; keep the frozen config hashable and immutable.
         object.__setattr__(self, "worker_urls", tuple(self.worker_urls))
@@ -255,6 +281,29 @@ class RouterConfig:
         if set_:
             flags = ", ".join("--" + n.replace("_", "-") for n in set_)
             raise ValueError(f"{flags}: for --kv-index {where} only")
+
+    def _check_pd(self) -> None:
+        """--prefill and --decode as ((url, bootstrap port or None), ...) and (url, ...); with
+        --pd-disaggregation, --policy becomes the prefill workers' (--prefill-policy)."""
+        prefill = tuple(prefill_entry(e) for e in self.prefill or ())
+        decode = tuple(decode_entry(e) for e in self.decode or ())
+        object.__setattr__(self, "prefill", prefill)
+        object.__setattr__(self, "decode", decode)
+        if not self.pd_disaggregation:
+            pd = ("prefill", "decode", "prefill_policy", "decode_policy")
+            defaults = {f.name: f.default for f in fields(self)}
+            set_ = ["--" + n.replace("_", "-") for n in pd if getattr(self, n) != defaults[n]]
+            if set_:
+                raise ValueError(f"{', '.join(set_)}: for --pd-disaggregation only")
+            return
+        if self.worker_urls:
+            raise ValueError("--worker-urls: with --pd-disaggregation give the workers as "
+                             "--prefill URL [BOOTSTRAP_PORT] and --decode URL")  # fmt: skip
+        if self.prefill_policy is not None:
+            object.__setattr__(self, "policy", self.prefill_policy)
+        if self.decode_policy not in POLICIES or self.decode_policy == "kv_aware":
+            raise ValueError(f"--decode-policy {self.decode_policy}: a decode worker holds no "
+                             "prefix the router could look up; choose a load policy")  # fmt: skip
 
     def _check_kv_index(self) -> None:
         remote = ("kvs_retry_times", "kvs_retry_interval_ms", "kvs_timeout_ms",
@@ -311,3 +360,29 @@ class RouterConfig:
     def mooncake_address(self) -> str:
         """HOST:PORT of --kv-index mooncake://HOST:PORT."""
         return self.kv_index.removeprefix("mooncake://").rstrip("/")
+
+
+DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's, for a --prefill given without one
+
+
+def prefill_entry(entry: Any) -> tuple[str, int | None]:
+    """One --prefill: URL, or [URL], or [URL, BOOTSTRAP_PORT] (a "none" port: the default)."""
+    parts = [entry] if isinstance(entry, str) else list(entry)
+    if not 1 <= len(parts) <= 2 or not isinstance(parts[0], str):
+        raise ValueError(f"--prefill takes URL [BOOTSTRAP_PORT], got {' '.join(map(str, parts))}")
+    if len(parts) == 1 or parts[1] in (None, "none"):
+        return parts[0], None
+    port = parts[1]
+    if isinstance(port, str) and port.isdigit():
+        port = int(port)
+    if type(port) is not int or not 0 < port < 65536:
+        raise ValueError(f"--prefill {parts[0]} {parts[1]}: the bootstrap port must be 1-65535")
+    return parts[0], port
+
+
+def decode_entry(entry: Any) -> str:
+    """One --decode: URL (or [URL], as argparse gives it)."""
+    parts = [entry] if isinstance(entry, str) else list(entry)
+    if len(parts) != 1 or not isinstance(parts[0], str):
+        raise ValueError(f"--decode takes one URL each, got {' '.join(map(str, parts))}")
+    return parts[0]

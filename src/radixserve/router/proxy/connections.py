@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 import httptools
 
 if TYPE_CHECKING:
-    from radixserve.router.proxy.upstream_pool import HttpConnection
+    from radixserve.router.proxy.upstream_pool import Headers, HttpConnection
 
 REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 CODES = {s.value: s.phrase.lower().replace(" ", "_").replace("-", "_") for s in HTTPStatus}
@@ -396,3 +396,16 @@ class ClientConn(asyncio.Protocol):
     def write(self, data: bytes) -> None:
         if self.transport is not None and not self.eof:
             self.transport.write(data)
+
+
+# Hop-by-hop headers and those the router writes itself are not passed back.
+_HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"content-length",
+                  b"te", b"trailer", b"upgrade", b"proxy-authenticate", b"x-request-id"})  # fmt: skip
+
+
+def passback(headers: Headers, rid: str) -> bytes:
+    """The worker's response headers worth passing to the client, as header lines."""
+    lines = [n + b": " + v + b"\r\n" for n, v in headers if n not in _HOP]
+    if not any(n == b"content-type" for n, _ in headers):
+        lines.append(b"Content-Type: application/json\r\n")
+    return b"".join(lines) + b"X-Request-Id: " + rid.encode() + b"\r\n"

@@ -84,6 +84,8 @@ class Worker:
     kv_load_ratio: float | None = None  # host-tier load time / prefill time per token, reported
     kv_store_load_ratio: float | None = None  # the same from the KV store
     counts: dict[str, int] = field(default_factory=lambda: {"requests": 0, "errors": 0})
+    role: str = "neutral"  # Llumnix's instance types: neutral (whole requests), prefill, decode
+    bootstrap_port: int | None = None  # a prefill worker's --disaggregation-bootstrap-port
 
     def view(self, now: float) -> WorkerView:
         routable = self.healthy and (self.breaker.state == "closed" or self.breaker.allows(now))
@@ -105,6 +107,8 @@ class Worker:
             "healthy": self.healthy,
             "circuit": self.breaker.state,
             "load": self.load,
+            "role": self.role,
+            **({"bootstrap_port": self.bootstrap_port} if self.role == "prefill" else {}),
             **self.counts,
         }
 
@@ -158,10 +162,15 @@ class WorkerRegistry:
         self.auth = b""  # header lines for the workers' keyed endpoints (/get_server_info)
 
     def add(
-        self, url: str, addrs: frozenset[tuple[str, int]] = frozenset(), healthy: bool = True
+        self,
+        url: str,
+        addrs: frozenset[tuple[str, int]] = frozenset(),
+        healthy: bool = True,
+        role: str = "neutral",
+        bootstrap_port: int | None = None,
     ) -> Worker:
-        """Register `url` (ValueError if malformed or already present, by its url or by the
-        addresses it resolved to); routable at once if `healthy`."""
+        """Register `url` in `role` (ValueError if malformed or already present, by its url or
+        by the addresses it resolved to); routable at once if `healthy`."""
         url = check_url(url)
         same = self.by_url(url) or next((w for w in self.workers if w.addrs & addrs), None)
         if same is not None:
@@ -173,9 +182,10 @@ class WorkerRegistry:
         pool = ConnectionPool(
             url, connect_timeout=h.connect_timeout_secs, max_conns=h.max_worker_connections
         )
-        worker = Worker(f"w{next(self._ids)}", url, pool, breaker, healthy, addrs=addrs)
+        worker = Worker(f"w{next(self._ids)}", url, pool, breaker, healthy, addrs=addrs,
+                        role=role, bootstrap_port=bootstrap_port)  # fmt: skip
         self.workers = [*self.workers, worker]  # copy: a running health sweep keeps its list
-        log.info("worker %s added: %s", worker.id, url)
+        log.info("worker %s added: %s (%s)", worker.id, url, role)
         return worker
 
     def remove(self, worker: Worker) -> None:
