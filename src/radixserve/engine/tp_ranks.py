@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -182,17 +183,16 @@ class TPRunner:
             sock.send_pyobj((op, arg))
 
     def run(self, batch: Batch) -> StepResult:
-        self._send("run", batch)
-        try:
-            return self.local.run(batch)
-        except RuntimeError as e:
-            self._failed(e)
-            raise
+        return self._step(self.local.run, batch)
 
     def logits(self, batch: Batch) -> Any:
+        return self._step(self.local.logits, batch)
+
+    def _step(self, local: Callable[[Batch], Any], batch: Batch) -> Any:
+        """Send ``batch`` to ranks 1..N-1, then run rank 0's part (``local``) of it."""
         self._send("run", batch)
         try:
-            return self.local.logits(batch)
+            return local(batch)
         except RuntimeError as e:
             self._failed(e)
             raise
