@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from radixserve.chat import anthropic_errors
 from radixserve.chat.anthropic import chat_messages, chat_tools
 from radixserve.server.errors import ApiError
 from radixserve.server.protocol import (
@@ -24,9 +25,6 @@ from radixserve.server.protocol import (
 
 _ALPHABET = string.ascii_letters + string.digits
 NO_MEDIA = "this server serves text-only models"
-# Anthropic's error types by HTTP status (its "Errors" page); anything else 4xx is invalid_request
-ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-               413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}  # fmt: skip
 
 
 class _Strict(BaseModel):
@@ -306,7 +304,5 @@ def call_input(arguments: str) -> dict[str, Any] | None:
 
 def error_body(e: ApiError) -> dict[str, Any]:
     """Anthropic's error shape has no ``param``: the field at fault leads the message."""
-    kind = ERROR_TYPES.get(e.status, "invalid_request_error" if e.status < 500 else "api_error")
     named = e.param is None or e.message.startswith(e.param)
-    message = e.message if named else f"{e.param}: {e.message}"
-    return {"type": "error", "error": {"type": kind, "message": message}}
+    return anthropic_errors.error_body(e.status, e.message if named else f"{e.param}: {e.message}")

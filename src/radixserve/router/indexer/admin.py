@@ -17,7 +17,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from radixserve.router.indexer.metrics import metrics_registry
 from radixserve.router.indexer.service import Indexer
-from radixserve.router.proxy.connections import ClientConn, Request, error_body
+from radixserve.router.proxy.connections import ClientConn, Request
+from radixserve.router.proxy.errors import error_body
 
 log = logging.getLogger("radixserve.kv_indexer")
 ADMIN_ROUTES = {"/workers": ("GET", "POST"), "/list_workers": ("GET",),

@@ -13,7 +13,8 @@ from urllib.parse import parse_qs, unquote
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from radixserve.router.proxy.config import DEFAULT_BOOTSTRAP_PORT
-from radixserve.router.proxy.connections import ClientConn, Request, error_body
+from radixserve.router.proxy.connections import ClientConn, Request
+from radixserve.router.proxy.errors import error_body, error_for
 from radixserve.router.proxy.worker_kinds import http_get
 from radixserve.router.proxy.worker_shapes import (
     FLUSH,
@@ -66,7 +67,7 @@ Handler = Callable[[Request], Awaitable[tuple[int, object]]]
 def not_allowed(conn: ClientConn, req: Request, allow: str) -> None:
     """A 405 naming the methods `req.path` takes."""
     msg = f"method {req.method} not allowed on {req.path} (allowed: {allow})"
-    conn.send_json(405, error_body(405, msg), headers=b"Allow: %s\r\n" % allow.encode())
+    conn.send_json(405, error_for(req.path, 405, msg), headers=b"Allow: %s\r\n" % allow.encode())
 
 
 class Text(str):
@@ -102,7 +103,8 @@ class Endpoints:
         route = req.path if not req.path.startswith("/workers/") else "/workers/"
         methods = self.routes.get(route)
         if methods is None:
-            conn.send_json(404, error_body(404, f"no route for {req.method} {req.path}"))
+            msg = f"no route for {req.method} {req.path}"
+            conn.send_json(404, error_for(req.path, 404, msg))
             return
         handler = methods.get("GET" if req.method == "HEAD" else req.method)
         if handler is None:

@@ -24,7 +24,8 @@ from radixserve.router.policies.tree_keys import units
 from radixserve.router.proxy.admin import INFERENCE, Endpoints, Handler
 from radixserve.router.proxy.admission import Admission
 from radixserve.router.proxy.config import RouterConfig
-from radixserve.router.proxy.connections import ClientConn, Request, error_body, passback
+from radixserve.router.proxy.connections import ClientConn, Request, passback
+from radixserve.router.proxy.errors import error_for
 from radixserve.router.proxy.kv_setup import KvRouting, open_kv_index
 from radixserve.router.proxy.metrics import BUCKETS, metrics_registry
 from radixserve.router.proxy.request_body import request_view, routed_payload
@@ -231,35 +232,38 @@ class Router(Endpoints):
                         finally:
                             adm.release()
                     else:
-                        self._overloaded(conn)
+                        self._overloaded(conn, req)
             else:
                 await self.answer_admin(conn, req)
         except Exception:
             log.exception("error while answering %s %s (request %s)", req.method, req.path,
                           req.rid)  # fmt: skip
             if conn.streaming:
-                conn.abort_stream(500, "internal router error", keep_alive=False)
+                conn.abort_stream(500, "internal router error", False, req.path)
             else:
-                conn.send_json(500, error_body(500, "internal router error"), keep_alive=False)
+                body = error_for(req.path, 500, "internal router error")
+                conn.send_json(500, body, keep_alive=False)
 
     @staticmethod
     def _authorized(req: Request, key: str | None, conn: ClientConn) -> bool:
         if key is None or hmac.compare_digest(req.auth, b"Bearer " + key.encode()):
             return True
-        conn.send_json(401, error_body(401, "missing or wrong API key", "authentication_error"))
+        msg = "missing or wrong API key"
+        conn.send_json(401, error_for(req.path, 401, msg, "authentication_error"))
         return False
 
     # ----- proxying -----
 
-    def _overloaded(self, conn: ClientConn) -> None:
+    def _overloaded(self, conn: ClientConn, req: Request) -> None:
         """No slot and no room in the queue."""
         a = self.admission
-        self._shed(conn, f"the router is at capacity ({a.active} in flight, {a.queued} queued)")
+        msg = f"the router is at capacity ({a.active} in flight, {a.queued} queued)"
+        self._shed(conn, req, msg)
 
-    def _shed(self, conn: ClientConn, msg: str) -> None:
+    def _shed(self, conn: ClientConn, req: Request, msg: str) -> None:
         """A 503 the client can retry: the router, or every worker, is at capacity."""
         self.failed[503] += 1
-        body = error_body(503, msg, "service_unavailable", "overloaded")
+        body = error_for(req.path, 503, msg, "service_unavailable", "overloaded")
         conn.send_json(503, body, headers=b"Retry-After: 1\r\n")
 
     async def proxy(self, conn: ClientConn, req: Request) -> None:
@@ -270,7 +274,8 @@ class Router(Endpoints):
         try:
             view = await self._request_view(req.body, req.path)
         except (ValueError, TypeError, AttributeError) as exc:
-            conn.send_json(400, error_body(400, f"request body is not a JSON object: {exc}"))
+            msg = f"request body is not a JSON object: {exc}"
+            conn.send_json(400, error_for(req.path, 400, msg))
             return
         if req.session:
             view = dataclasses.replace(view, routing_key=req.session)
@@ -308,7 +313,7 @@ class Router(Endpoints):
             lost += failure.lost
             if not failure.retry or lost > 1:  # a request that killed a worker kills no more
                 break
-        status = self.fail(conn, tried, failure.status if tried else 503)
+        status = self.fail(conn, req, tried, failure.status if tried else 503)
         if trace is not None:
             trace.refused(status)
 
@@ -363,17 +368,18 @@ class Router(Endpoints):
         base = min(cfg.retry_backoff_ms * 2 ** (attempt - 1), cfg.retry_max_backoff_ms) / 1000
         return base * (1.0 + 0.5 * random.random())
 
-    def fail(self, conn: ClientConn, tried: list[str], status: int) -> int:
+    def fail(self, conn: ClientConn, req: Request, tried: list[str], status: int) -> int:
         """Answer a request no worker served; returns the status sent."""
         if tried:
             msg = f"request failed on {len(tried)} attempt(s) ({', '.join(tried)})"
         elif self.registry.overloaded and self.registry.routable():
-            self._shed(conn, "every worker reports a queue or KV usage past the overload threshold")
+            msg = "every worker reports a queue or KV usage past the overload threshold"
+            self._shed(conn, req, msg)
             return 503
         else:
             status, msg = 503, "no healthy worker available"
         self.failed[status] = self.failed.get(status, 0) + 1
-        conn.send_json(status, error_body(status, msg, "service_unavailable"))
+        conn.send_json(status, error_for(req.path, status, msg, "service_unavailable"))
         return status
 
     def pick(self, view: RequestView, tried: list[str]) -> Worker | None:
@@ -470,7 +476,7 @@ class Router(Endpoints):
             return why
         # Bytes already reached the client: end the stream as OpenAI-compatible servers do.
         log.warning("request %s: stream from %s cut: %s", req.rid, worker.url, why.why)
-        conn.abort_stream(502, f"worker failed mid-stream: {why.why}", req.keep_alive)
+        conn.abort_stream(502, f"worker failed mid-stream: {why.why}", req.keep_alive, req.path)
         return None
 
 

@@ -187,7 +187,11 @@ class RouterConfig:
         ge=0,
         le=256,
     )
-    api_key: str | None = _f(None, "bearer key required on inference endpoints")
+    api_key: str | None = _f(
+        None,
+        "bearer key required on inference endpoints (on /v1/messages also as x-api-key, "
+        "as Anthropic's clients send it)",
+    )
     admin_api_key: str | None = _f(
         None,
         "bearer key required on worker management; without one, management is answered to "

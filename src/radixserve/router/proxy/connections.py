@@ -16,20 +16,14 @@ from typing import TYPE_CHECKING, Protocol
 
 import httptools
 
+from radixserve.router.proxy.errors import error_for, speaks_anthropic, stream_end
+
 if TYPE_CHECKING:
     from radixserve.router.proxy.upstream_pool import Headers, HttpConnection
 
 REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
-CODES = {s.value: s.phrase.lower().replace(" ", "_").replace("-", "_") for s in HTTPStatus}
 MAX_PIPELINED = 16  # requests parsed ahead of the one being answered; then reading pauses
 LOOPBACK = ("127.", "::1", "::ffff:127.")
-
-
-def error_body(status: int, message: str, kind: str = "", code: str = "") -> dict[str, object]:
-    """OpenAI-style error object; `code` is a short string, as the server's (e.g. "not_found")."""
-    kind = kind or ("invalid_request_error" if status < 500 else "server_error")
-    return {"error": {"message": message, "type": kind, "param": None,
-                      "code": code or CODES.get(status, "error")}}  # fmt: skip
 
 
 _IDS = itertools.count()
@@ -81,21 +75,26 @@ class Request:
         http11: bool = True,
         session: bytes = b"",
         trace: bytes = b"",
+        api_key: bytes = b"",
     ) -> None:
         self.method, self.auth, self.body, self.keep_alive = method, auth, body, keep_alive
         self.path, _, self.query = url.partition("?")
+        if api_key and not auth and speaks_anthropic(self.path):
+            # Anthropic's clients send their key as x-api-key: the server takes it as the
+            # bearer key on /v1/messages, and so do the router and the worker it forwards to
+            self.auth = b"Bearer " + api_key
         self.http11, self.rid, self.session = http11, rid, session
         self.trace = trace  # the client's W3C traceparent (b"": none)
 
 
 class Refusal:
     """An error answer queued behind the pipelined requests before it; the connection ends
-    after it."""
+    after it. `path`: the refused request's, where its URL was read (it chooses the shape)."""
 
-    __slots__ = ("status", "message", "headers")
+    __slots__ = ("status", "message", "headers", "path")
 
-    def __init__(self, status: int, message: str, headers: bytes = b"") -> None:
-        self.status, self.message, self.headers = status, message, headers
+    def __init__(self, status: int, message: str, headers: bytes = b"", path: str = "") -> None:
+        self.status, self.message, self.headers, self.path = status, message, headers, path
 
 
 class _Refused(Exception):
@@ -128,7 +127,7 @@ class ClientConn(asyncio.Protocol):
     def _reset(self) -> None:
         self.url, self.url_size, self.head_size = [], 0, 0
         self.auth, self.rid, self.body, self.size, self.session = b"", b"", [], 0, b""
-        self.trace = b""
+        self.trace, self.api_key = b"", b""
         self.expect, self.length = False, 0
 
     # ----- connection life and timeouts -----
@@ -248,6 +247,8 @@ class ClientConn(asyncio.Protocol):
             self.session = value
         elif name == b"traceparent":
             self.trace = value
+        elif name == b"x-api-key":
+            self.api_key = value
         elif name == b"expect":
             self.expect = value.lower() == b"100-continue"
         elif name == b"content-length" and value.isdigit():
@@ -279,6 +280,7 @@ class ClientConn(asyncio.Protocol):
             p.get_http_version() == "1.1",
             self.session,
             self.trace,
+            self.api_key,
         )
         if p.should_upgrade():  # the parser calls an Upgrade request's connection closing
             req.keep_alive = req.http11
@@ -302,7 +304,8 @@ class ClientConn(asyncio.Protocol):
     def refuse(self, status: int, message: str, headers: bytes = b"") -> None:
         """Answer with an error after the requests already queued, then end the connection."""
         self.refused = True
-        self._dispatch(Refusal(status, message, headers))
+        path = b"".join(self.url).decode("latin-1").partition("?")[0]
+        self._dispatch(Refusal(status, message, headers, path))
 
     def start(self, item: Request | Refusal) -> None:
         if isinstance(item, Refusal):
@@ -315,7 +318,7 @@ class ClientConn(asyncio.Protocol):
     def _answer_refusal(self, r: Refusal) -> None:
         # Half-close rather than close: closing with unread input would reset the connection
         # and the client might never read the answer.
-        body = json.dumps(error_body(r.status, r.message)).encode()
+        body = json.dumps(error_for(r.path, r.status, r.message)).encode()
         self.head_only = False  # whatever the request before it was
         self.send(r.status, b"application/json", body, keep_alive=True, headers=r.headers)
         self.pending.clear()
@@ -386,11 +389,10 @@ class ClientConn(asyncio.Protocol):
         if (not keep_alive or not self.chunked) and self.transport is not None:
             self.transport.close()
 
-    def abort_stream(self, status: int, message: str, keep_alive: bool) -> None:
-        """End a stream that cannot go on as OpenAI-compatible servers do: an error event, then
-        [DONE], then a properly ended body (no error page inside the event stream)."""
-        event = json.dumps(error_body(status, message)).encode()
-        self.chunk(b"data: " + event + b"\n\ndata: [DONE]\n\n")
+    def abort_stream(self, status: int, message: str, keep_alive: bool, path: str) -> None:
+        """End a stream that cannot go on with the error event of the API at `path`, then a
+        properly ended body (no error page inside the event stream)."""
+        self.chunk(stream_end(path, status, message))
         self.end_stream(keep_alive)
 
     def write(self, data: bytes) -> None:

@@ -18,7 +18,8 @@ from radixserve.router.policies.base import NoWorkerAvailable, RequestView, Work
 from radixserve.router.policies.registry import create_policy
 from radixserve.router.policies.tree_keys import units
 from radixserve.router.proxy.config import DEFAULT_BOOTSTRAP_PORT
-from radixserve.router.proxy.connections import ClientConn, Request, error_body, passback
+from radixserve.router.proxy.connections import ClientConn, Request, passback
+from radixserve.router.proxy.errors import error_body, error_for, speaks_anthropic
 from radixserve.router.proxy.pd_merge import (
     EventMerger,
     merge_whole,
@@ -93,25 +94,24 @@ class PdDispatch:
                 raise ValueError("not an object")
             view = await r._request_view(req.body, req.path)
         except (ValueError, TypeError, AttributeError) as exc:
-            conn.send_json(400, error_body(400, f"request body is not a JSON object: {exc}"))
+            msg = f"request body is not a JSON object: {exc}"
+            conn.send_json(400, error_for(req.path, 400, msg))
             return
         if req.path == "/v1/messages/count_tokens":  # no generation: any prefill worker counts
             return await self._count_tokens(conn, req, view)
         refused = refusal(body, req.path)
         if refused is not None:
-            err = error_body(400, refused[0])
-            err["error"]["param"] = refused[1]  # type: ignore[index]
-            conn.send_json(400, err)
+            conn.send_json(400, _refusal_body(req.path, *refused))
             return
         await self._attempts(conn, req, body, view)
 
     async def _count_tokens(self, conn: ClientConn, req: Request, view: RequestView) -> None:
         worker = self.pick("prefill", view, [])
         if worker is None:
-            return self._unavailable(conn, "prefill", {"prefill": [], "decode": []})
+            return self._unavailable(conn, req, "prefill", {"prefill": [], "decode": []})
         failure = await self.router.attempt(conn, req, worker, view)
         if failure is not None:
-            self.router.fail(conn, [worker.id], failure.status)
+            self.router.fail(conn, req, [worker.id], failure.status)
 
     async def _attempts(
         self, conn: ClientConn, req: Request, body: dict[str, Any], view: RequestView
@@ -127,7 +127,7 @@ class PdDispatch:
             pair = [self.pick(role, view, tried[role]) for role in ROLES]
             missing = [role for role, w in zip(ROLES, pair) if w is None]
             if missing:
-                return self._unavailable(conn, missing[0], tried)
+                return self._unavailable(conn, req, missing[0], tried)
             last = await self.attempt(conn, req, body, view, pair[0], pair[1])
             if last is None:
                 return None
@@ -137,16 +137,18 @@ class PdDispatch:
             lost += last.failure.lost
             if not last.failure.retry or lost > 1:  # a request that killed a worker kills no more
                 break
-        r.fail(conn, tried["prefill"] + tried["decode"], last.failure.status)
+        r.fail(conn, req, tried["prefill"] + tried["decode"], last.failure.status)
 
-    def _unavailable(self, conn: ClientConn, role: str, tried: dict[str, list[str]]) -> None:
+    def _unavailable(
+        self, conn: ClientConn, req: Request, role: str, tried: dict[str, list[str]]
+    ) -> None:
         r = self.router
         if tried["prefill"] or tried["decode"]:
-            r.fail(conn, tried["prefill"] + tried["decode"], 502)
+            r.fail(conn, req, tried["prefill"] + tried["decode"], 502)
             return
         r.failed[503] += 1
         msg = f"no healthy {role} worker available"
-        conn.send_json(503, error_body(503, msg, "service_unavailable"))
+        conn.send_json(503, error_for(req.path, 503, msg, "service_unavailable"))
 
     def pick(self, role: str, view: RequestView, tried: list[str]) -> Worker | None:
         """The role's policy's choice among the role's routable workers, avoiding those this
@@ -231,7 +233,7 @@ class PdDispatch:
         if not relay.streamed:
             return Lost(why, worker)
         log.warning("request %s: stream from %s cut: %s", req.rid, worker.url, why.why)
-        conn.abort_stream(502, f"worker failed mid-stream: {why.why}", req.keep_alive)
+        conn.abort_stream(502, f"worker failed mid-stream: {why.why}", req.keep_alive, req.path)
         return None
 
     def _begin(self, worker: Worker, view: RequestView) -> None:
@@ -284,6 +286,16 @@ class Relay:
             body = merge_whole(body, inputs) if inputs else body
         self.conn.send(resp.status, None, body, self.req.keep_alive,
                        passback(resp.headers, self.req.rid))  # fmt: skip
+
+
+def _refusal_body(path: str, message: str, param: str) -> object:
+    """A 400 naming the field at fault: OpenAI's ``param``, or (Anthropic's shape has none)
+    the message's lead."""
+    if speaks_anthropic(path):
+        return error_for(path, 400, message if message.startswith(param) else f"{param}: {message}")
+    err = error_body(400, message)
+    err["error"]["param"] = param  # type: ignore[index]
+    return err
 
 
 def _peer_failed(tasks: tuple[asyncio.Task[Response], asyncio.Task[Response]]) -> bool:
