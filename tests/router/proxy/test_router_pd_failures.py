@@ -1,7 +1,8 @@
 """A PD router over two prefill engines and one decode engine (real SmolLM2 engines) when a
 prefill engine is killed and the router has not yet noticed (its health checks are a minute
 apart): every request still gets its answer (another pair is tried), the answers are the greedy ones the fleet gave before the kill, the
-router says which attempts failed, and the engines left hold no KV slot afterwards."""
+router says which attempts failed, and the engines left hold no KV slot afterwards. A decode
+engine killed mid-stream ends an Anthropic client's stream with the router's error event."""
 
 from __future__ import annotations
 
@@ -50,5 +51,35 @@ def test_a_prefill_engine_killed_under_load_costs_no_request():
     finally:
         router.stop()
         for s in (p1, p2, decode):
+            if s.proc.poll() is None:
+                s.stop(check=False)
+
+
+def test_a_decode_engine_killed_mid_stream_ends_an_anthropic_stream_with_its_error_event():
+    """/v1/messages streamed through the pair with the `anthropic` client: the decode engine
+    dies after the first text; the client's stream raises Anthropic's error event (the router's
+    own, in Anthropic's shape), and the prefill engine holds no slot afterwards."""
+    anthropic = pytest.importorskip("anthropic")
+    boot = free_port()
+    prefill, decode = start_engines("prefill", "decode", boots=[boot])
+    router = PdRouter("--prefill", prefill.url, str(boot), "--decode", decode.url)
+    try:
+        client = anthropic.Anthropic(base_url=f"http://{router.addr}", api_key="-", max_retries=0)
+        ask = [{"role": "user", "content": "Count from 1 to 500, one number per line."}]
+        stream = client.messages.create(model=decode.name, max_tokens=400, messages=ask,
+                                        stream=True, extra_body={"temperature": 0})  # fmt: skip
+        events = iter(stream)
+        while next(events).type != "content_block_delta":
+            pass
+        decode.stop(check=False, sig=signal.SIGKILL)
+        with pytest.raises(anthropic.APIStatusError) as e:
+            for _ in events:
+                pass
+        error = e.value.body["error"]
+        assert error["type"] == "api_error" and "mid-stream" in error["message"], e.value.body
+        _settled(prefill)
+    finally:
+        router.stop()
+        for s in (prefill, decode):
             if s.proc.poll() is None:
                 s.stop(check=False)
