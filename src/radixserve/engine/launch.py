@@ -74,9 +74,6 @@ class EngineConfig:
             raise ValueError("--tp-size needs a real model (a simulated engine has no weights)")
         if self.disagg.enabled:
             raise ValueError("--tp-size > 1 with --disaggregation-mode is not supported")
-        if self.cache.hicache_storage_backend is not None:
-            raise ValueError("--tp-size > 1 with --hicache-storage-backend is not supported "
-                             "(the host tier is: each rank keeps its own)")  # fmt: skip
 
     def storage_settings(self) -> Any:
         """The storage tier's settings (engine.storage_tier.StorageSettings), or None."""

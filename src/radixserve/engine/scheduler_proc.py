@@ -356,7 +356,7 @@ def run_scheduler(engine_config: Any, endpoints: Endpoints, ready: Any, parent_p
     settings = engine_config.storage_settings()
     if settings is not None and tiers is not None:
         try:
-            storage = _storage_tier(settings, info, tiers, engine_config.model, meter)
+            storage = _storage_tier(settings, info, runner, tiers, engine_config.model, meter)
         except (ValueError, RuntimeError, OSError) as e:
             ready.send(("error", f"--hicache-storage-backend: {e}"))
             return
@@ -395,20 +395,28 @@ def _kv_events(engine_config: Any, scheduler: Scheduler) -> KVEventPlane | None:
 
 
 def _storage_tier(
-    settings: Any, info: dict[str, Any], pool: Any, model_config: Any, meter: Any
+    settings: Any, info: dict[str, Any], runner: Any, pool: Any, model_config: Any, meter: Any
 ) -> Any:
     """The storage tier of a real engine: its namespace names the model (its name and a digest
     of its weight files) and the KV layout, so only engines whose pages are byte-compatible
-    share keys (two fine-tunes of one name do not)."""
+    share keys (two fine-tunes of one name do not). At --tp-size N the layout is one rank's
+    (its KV heads) and each rank's keys name its heads; every rank opens its part here."""
     from radixserve.cache.hashing import KVNamespace
     from radixserve.engine.storage_tier import StorageTier, weights_identity
+    from radixserve.kvstore.storage import head_part
     from radixserve.modelfiles.locate import resolve_model_dir
 
     layers, _, _, heads, dim = pool.kv.shape
     model = f"{info.get('model')}@{weights_identity(resolve_model_dir(model_config))}"
     ns = KVNamespace(model, str(info.get("kv_cache_dtype")), int(layers), int(heads), int(dim),
                      settings.chunk_size)  # fmt: skip
-    return StorageTier(settings, ns, pool, meter=meter)
+    size = model_config.tp_size
+    if size == 1:
+        return StorageTier(settings, ns, pool, meter=meter)
+    parts = [head_part(r, int(heads)) for r in range(size)]
+    tier = StorageTier(settings, ns, pool, meter=meter, parts=parts, peers=runner.storage_peers())
+    runner.open_storage(settings, ns.digest())  # after rank 0's opened: a bad config fails there
+    return tier
 
 
 def _host_pool(runner: Any, scheduler: Scheduler) -> Any:

@@ -29,6 +29,10 @@ capped at 30 s. Writes are bounded (``write_queue_pages``, and the pinned tokens
 drops the pages, counted, pinning nothing (the store is a cache). Every loaded page has passed
 the backend's header check (namespace, key, size, checksum): a refused or missing page ends the
 prefetch there; the rest is recomputed.
+
+At ``--tp-size N`` this is rank 0's, deciding for every rank (``peers``: engine/tp_storage.py):
+each rank's keys name its KV heads (``part``), a write is stored once every rank wrote its part,
+and a prefetch lands as many pages as the rank with the fewest loaded.
 """
 
 from __future__ import annotations
@@ -123,6 +127,7 @@ class _Fetch:
     """One request's prefetch: chunk keys from chunk ``first`` on."""
 
     rid: str
+    job: int  # its number, as the tensor-parallel ranks know it
     ids: Sequence[int]
     namespace: Hashable | None
     first: int
@@ -142,6 +147,7 @@ class _Write:
     node pinned for them (released by the scheduler thread once ``read``), and the tokens
     that pin keeps."""
 
+    job: int  # its number, as the tensor-parallel ranks know it
     keys: list[str]
     slots: list[Any]
     node: Any
@@ -184,9 +190,11 @@ class StorageTier:
         pool: Any,  # model.host_pool.HostKVPool
         clock: Callable[[], float] = time.monotonic,
         meter: Any = None,  # engine.load_meter.LoadRatioMeter: fed each prefetch's read time
+        parts: Sequence[str] = (),  # --tp-size N: the heads each rank's part of a page holds
+        peers: Any = None,  # --tp-size N: engine.tp_storage.StoragePeers (ranks 1..N-1)
     ) -> None:
         from radixserve.kvstore.backends import create_backend
-        from radixserve.kvstore.storage import PageFormat
+        from radixserve.kvstore.storage import PageFormat, PartKeys
 
         self.settings = s = settings
         self.chunk = s.chunk_size
@@ -197,6 +205,10 @@ class StorageTier:
         self.meter = meter
         self.page_nbytes = pool.bytes_per_slot * self.chunk
         self.backend = create_backend(s.backend, PageFormat(self.digest, self.page_nbytes), s.extra)
+        if parts:  # this is rank 0: its part first
+            self.backend = PartKeys(self.backend, parts[0])
+        self.parts, self.peers = list(parts), peers
+        self._jobs = 0  # numbers the writes and prefetches for the ranks
         self.counts = StorageCounts()
         self.known: OrderedDict[str, None] = OrderedDict()  # stored, or queued to be
         self._known_lock = threading.Lock()
@@ -225,7 +237,8 @@ class StorageTier:
         s = self.settings
         return {"backend": s.backend, "namespace": self.digest, "segment": None,
                 "chunk_size": self.chunk, "hash_algo": s.hash_algo, "seed": s.seed,
-                "placeholder": False, "prefetch_policy": s.prefetch_policy}  # fmt: skip
+                "placeholder": False, "prefetch_policy": s.prefetch_policy,
+                **({"key_parts": self.parts} if self.parts else {})}  # fmt: skip
 
     # -- keys ----------------------------------------------------------------------------------
     def keys(self, ids: Sequence[int], namespace: Hashable | None) -> list[str] | None:
@@ -294,7 +307,11 @@ class StorageTier:
         self._remember(new)  # queued: not offered again meanwhile (forgotten if it fails)
         with self._known_lock:
             self._write_pages += len(new)
-        self._write_q.put(_Write(new, page_slots, node, len(slots), self.pool.device_ready()))
+        self._jobs += 1
+        if self.peers is not None:  # each rank reads its part of them before the next batch
+            self.peers.write(self._jobs, new, [s for page in page_slots for s in page])
+        self._write_q.put(_Write(self._jobs, new, page_slots, node, len(slots),
+                                 self.pool.device_ready()))  # fmt: skip
 
     def release_pins(self, kv: Any, wait_s: float = 0.0) -> int:
         """Scheduler thread, between steps: unpin the jobs whose pages the writer has read
@@ -347,6 +364,8 @@ class StorageTier:
         stored = skip
         if pages:
             stored += self.backend.put_pages(keys[skip:], pages)
+        if self.peers is not None:  # stored: every rank's part is
+            stored = min(stored, self.peers.stored(job.job))
         if stored < len(keys):
             self._forget(keys[stored:])
 
@@ -373,8 +392,11 @@ class StorageTier:
         deadline = None
         if policy == "timeout":
             deadline = self.clock() + prefetch_timeout_s(fit * self.chunk)
-        f = _Fetch(req.rid, ids[: len(keys) * self.chunk], ns, first, keys[first:], deadline,
-                   req if wait else None)  # fmt: skip
+        self._jobs += 1
+        f = _Fetch(req.rid, self._jobs, ids[: len(keys) * self.chunk], ns, first, keys[first:],
+                   deadline, req if wait else None)  # fmt: skip
+        if self.peers is not None:
+            self.peers.fetch(f.job, f.keys)
         self.fetches[req.rid] = f
         self._claimed += fit
         self.counts.storage_prefetch_lookups += 1
@@ -421,6 +443,9 @@ class StorageTier:
             except Exception as e:  # a failing store reads as empty
                 log.warning("storage tier: prefetch failed: %r", e)
                 f.got = 0
+            if self.peers is not None:  # a page is in the store when every rank's part is
+                found, got = self.peers.fetched(f.job)
+                f.found, f.got = min(f.found, found), min(f.got, got)
             f.seconds = time.perf_counter() - t0
             f.done = True
             self._done.put(f)
@@ -438,10 +463,13 @@ class StorageTier:
             self._claimed -= len(f.keys)
             if f.got < f.found:
                 self.counts.storage_prefetch_failures += 1
+            slots: Sequence[int] = ()
             if f.got:
                 if self.meter is not None:
                     self.meter.store_loaded(f.seconds, f.got * self.chunk)
-                self._land(f, cache)
+                slots = self._land(f, cache)
+            if self.peers is not None:  # the ranks land theirs at the same host slots
+                self.peers.land(f.job, slots)
             if f.req is not None:
                 ready.append(f.req)
         if self.settings.prefetch_policy == "timeout":
@@ -454,7 +482,7 @@ class StorageTier:
         self.counts.storage_up = int(self.backend.available)
         return ready
 
-    def _land(self, f: _Fetch, cache: Any) -> None:
+    def _land(self, f: _Fetch, cache: Any) -> Sequence[int]:
         """Put ``f.got`` fetched pages in the host tier as host-only nodes of the tree: as
         many leading ones as the host tier has room for now (room sized at lookup may have
         gone to the device's copies meanwhile; the rest are counted, not landed)."""
@@ -464,12 +492,13 @@ class StorageTier:
         slots = cache.land_slots(f.ids, start, end, c, f.namespace)
         self.counts.storage_prefetch_unlanded_pages += f.got - len(slots) // c
         if not len(slots):
-            return
+            return slots
         self.pool.write_host_pages(slots, f.data, c)
         # nothing is inserted if the part before them left both tiers meanwhile
         added = cache.insert_host(f.ids[: start + len(slots)], slots, f.namespace, start)
         self.counts.storage_prefetch_tokens += added
         self.loaded[f.rid] = self.loaded.get(f.rid, 0) + added
+        return slots
 
     # -- reports ---------------------------------------------------------------------------------
     def split_cached(self, rid: str, host_tokens: int, finished: bool) -> tuple[int, int]:
@@ -482,11 +511,17 @@ class StorageTier:
         return host_tokens - storage, storage
 
     def stats(self) -> dict[str, int]:
-        st = self.backend.stats
+        """The counts; at --tp-size N the store's (pages, bytes, refusals) are every rank's
+        parts summed: a page written is N values written."""
+        from radixserve.engine.tp_storage import backend_counts
+
+        n = backend_counts(self.backend)
+        if self.peers is not None:
+            n = {k: v + self.peers.totals()[k] for k, v in n.items()}
         c = self.counts
-        c.storage_pages_written, c.storage_bytes_written = st.pages_written, st.bytes_written
-        c.storage_pages_read, c.storage_bytes_read = st.pages_read, st.bytes_read
-        c.storage_refused_pages = sum(st.refused.values())
+        c.storage_pages_written, c.storage_bytes_written = n["pages_written"], n["bytes_written"]
+        c.storage_pages_read, c.storage_bytes_read = n["pages_read"], n["bytes_read"]
+        c.storage_refused_pages = n["refused"]
         c.storage_write_pinned_tokens = self._pinned_tokens
         out = {k: getattr(c, k) for k in c.__dataclass_fields__ if k != "extra"}
         out["storage_up"] = int(self.backend.available)
@@ -496,10 +531,14 @@ class StorageTier:
         """Stop both threads (jobs still queued are dropped, not written) and release every
         pin their pages held (``kv``: the scheduler's KVManager, when the tree lives on)."""
         self._closing = True
+        if self.peers is not None:  # a thread waiting on the ranks stops waiting
+            self.peers.closing.set()
         self._fetch_q.put(None)
         self._write_q.put(None)
         for t in self._threads:
             t.join(5)
+        if self.peers is not None:
+            self.peers.close()
         if kv is not None:
             self.release_pins(kv)
         self.backend.close()

@@ -202,6 +202,19 @@ class TPRunner:
         each Batch's ``kv_copies`` on it, as rank 0's scheduler process does on its own."""
         self._send("host", num_slots)
 
+    def storage_peers(self) -> Any:
+        """Rank 0's StorageTier's link to the other ranks' parts of the storage tier
+        (``engine/tp_storage.StoragePeers``); ``open_storage`` then opens those parts."""
+        from radixserve.engine.tp_storage import StoragePeers
+
+        return StoragePeers(self._send, self.base, len(self.socks))
+
+    def open_storage(self, settings: Any, digest: str) -> None:
+        """Every rank opens its part of the storage tier (after the host tier)."""
+        from radixserve.engine.tp_storage import RankStorageArgs
+
+        self._send("storage", RankStorageArgs(settings, digest))
+
     def close(self) -> None:
         """Stop the ranks and leave the process group (so that another may be made here)."""
         import torch.distributed as dist

@@ -1,6 +1,7 @@
 """A tensor-parallel rank other than 0 (``python -m radixserve.engine.tp_worker``, started by
 ``engine/tp_ranks.py`` with its RankArgs pickled on stdin): loads its shard, says ready, then
-computes its share of every Batch rank 0 sends, with its own KV pool and host tier.
+computes its share of every Batch rank 0 sends, with its own KV pool, host tier and share of the
+storage tier (``engine/tp_storage.py``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def main() -> None:
     pull = ctx.socket(zmq.PULL)
     pull.bind(f"ipc://{args.base}-tp{args.rank}")
     ready.send_pyobj(("ready", None))
-    serve(runner, pull)
+    serve(runner, pull, args)
 
 
 def _build(args: RankArgs) -> Any:
@@ -42,16 +43,23 @@ def _build(args: RankArgs) -> Any:
     return TorchRunner(rank_config(args), args.num_slots, TPShard(args.rank, args.size))
 
 
-def serve(runner: Any, pull: zmq.Socket) -> None:
-    """Rank 0's messages in order: ``("run", Batch)`` (its page copies, then its forward) and
-    ``("host", slots)`` (open the host tier)."""
-    host = None
+def serve(runner: Any, pull: zmq.Socket, args: RankArgs) -> None:
+    """Rank 0's messages in order: ``("run", Batch)`` (its page copies, then its forward),
+    ``("host", slots)`` (open the host tier), ``("storage", RankStorageArgs)`` (open the
+    storage tier) and the storage tier's ``store_*`` (its part of rank 0's decisions)."""
+    host = storage = None
     while True:
         op, arg = pull.recv_pyobj()
         if op == "host":
             from radixserve.model.host_pool import HostKVPool
 
             host = HostKVPool(runner.kv, arg)
+        elif op == "storage":
+            from radixserve.engine.tp_storage import RankStorage
+
+            storage = RankStorage(arg, args.rank, host, args.base)
+        elif op.startswith("store_") and storage is not None:
+            storage.handle(op, arg)
         elif op == "run":
             if arg.kv_copies and host is not None:
                 host.apply(arg.kv_copies)

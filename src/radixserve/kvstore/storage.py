@@ -164,3 +164,41 @@ def take_options(extra: dict, allowed: dict[str, Any], backend: str) -> dict[str
         raise ValueError(f"{backend} backend: unknown extra-config key(s) {unknown}; "
                          f"known: {sorted(allowed)}")  # fmt: skip
     return {**allowed, **extra}
+
+
+def head_part(rank: int, kv_heads: int) -> str:
+    """What a tensor-parallel rank's part of a page holds, as its key names it: KV heads
+    ``[rank * kv_heads, (rank + 1) * kv_heads)`` of the model (``h2-4``). The key says which
+    heads the bytes are, not who wrote them, so a part is the same object at any rank count
+    that splits the heads the same way (the namespace's head count tells the splits apart)."""
+    return f"h{rank * kv_heads}-{(rank + 1) * kv_heads}"
+
+
+class PartKeys(StorageBackend):
+    """``inner`` with every key suffixed ``_<part>``: one rank's share of each page of a model
+    split over ranks (``head_part``). Its stats and down-gate are the inner backend's."""
+
+    def __init__(self, inner: StorageBackend, part: str) -> None:
+        super().__init__(inner.fmt)
+        self.inner, self.part, self.name = inner, part, inner.name
+        self.stats = inner.stats
+        self.gate = getattr(inner, "gate", None)
+
+    def _keys(self, keys: Sequence[str]) -> list[str]:
+        return [f"{k}_{self.part}" for k in keys]
+
+    def exists_prefix(self, keys: Sequence[str]) -> int:
+        return self.inner.exists_prefix(self._keys(keys))
+
+    def get_pages(self, keys: Sequence[str], buffers: Sequence[Buffer]) -> int:
+        return self.inner.get_pages(self._keys(keys), buffers)
+
+    def put_pages(self, keys: Sequence[str], pages: Sequence[Buffer]) -> int:
+        return self.inner.put_pages(self._keys(keys), pages)
+
+    @property
+    def available(self) -> bool:
+        return self.inner.available
+
+    def close(self) -> None:
+        self.inner.close()
