@@ -306,3 +306,28 @@ def test_the_store_ratio_a_worker_reports_decides_who_loads():
     unmeasured = worker("w1", {"kv_load_to_prefill_ratio": 0.01,
                                "kv_store_load_to_prefill_ratio": None})  # fmt: skip
     assert policy.select([w0, unmeasured], view(PROMPT), 0.0) == 1
+
+
+def test_reader_counts_a_tensor_parallel_workers_chunk_only_where_every_part_is(monkeypatch):
+    """A tp 2 engine's keys end in the KV heads each rank's part holds (`key_parts`): the
+    query asks for every part, and a chunk whose second part is missing ends the prefix."""
+    reader = _reader()
+    ns = "rkv1-0123456789abcdef"
+    assert reader.register("tp1", {"kv_store": {"namespace": ns, "segment": None}})
+    assert reader.register("tp2", {"kv_store": {"namespace": ns, "segment": None,
+                                                "key_parts": ["h0-1", "h1-2"]}})  # fmt: skip
+    ids = list(range(3 * 256))
+    base = store_keys(ids, ns, 256)
+    held = {*base, *(f"{k}_h0-1" for k in base), f"{base[0]}_h1-2", f"{base[1]}_h1-2"}
+    asked = []
+
+    async def aquery(keys):
+        asked.extend(keys)
+        return [KeyLocation(True, (Replica("127.0.0.1:7000", "memory", 64),)) if k in held
+                else KeyLocation(False, (), "OBJECT_NOT_FOUND") for k in keys]  # fmt: skip
+
+    monkeypatch.setattr(reader.client, "aquery", aquery)
+    asyncio.run(reader.prepare(ids))
+    assert sorted(asked) == sorted([*base, *(f"{k}_h0-1" for k in base),
+                                    *(f"{k}_h1-2" for k in base)])  # fmt: skip
+    assert reader.loadable_tokens(["tp1", "tp2"]) == {"tp1": 3 * 256, "tp2": 2 * 256}

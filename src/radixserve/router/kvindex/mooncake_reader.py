@@ -9,7 +9,10 @@ for kv_aware, whose device holdings still come from the workers' KV events."""
 # its keys start with (`kv_store.namespace`); `register` records both. A replica on a worker's
 # own segment is loadable by that worker; a replica on any segment no registered worker claims is
 # the store process's (`radixserve kv-store`), which every worker reads. A worker that restarts
-# keeps counting what the store process holds: the keys outlive it.
+# keeps counting what the store process holds: the keys outlive it. A tensor-parallel engine
+# stores each page as one value per rank, its key suffixed with the KV heads it holds
+# (`kv_store.key_parts`: `h0-4`, `h4-8`); its pages are looked up part by part, and a chunk
+# counts as loadable only where every part is.
 #
 # Why the query happens before `select`, outside the policy: it is I/O and the policy is pure.
 # The router awaits `prepare`, then calls `select` in the same synchronous stretch, which reads
@@ -54,6 +57,7 @@ class MooncakeIndexConfig:
 class StoreWorker:
     segment: str | None  # transport endpoint of the segment the worker holds; None: none
     namespace: str  # digest its keys start with
+    parts: tuple[str, ...] = ()  # a tensor-parallel engine's key suffixes, one per rank
 
 
 class MooncakeStoreReader(TierSource):
@@ -98,9 +102,11 @@ class MooncakeStoreReader(TierSource):
             self.workers.pop(worker, None)
             return False
         segment = store.get("segment")
+        parts = store.get("key_parts") or ()
         self.workers[worker] = StoreWorker(
-            segment if isinstance(segment, str) and segment else None, store["namespace"]
-        )
+            segment if isinstance(segment, str) and segment else None, store["namespace"],
+            tuple(str(p) for p in parts),
+        )  # fmt: skip
         return True
 
     def forget(self, worker: Hashable) -> None:
@@ -115,16 +121,17 @@ class MooncakeStoreReader(TierSource):
         if not token_ids or len(token_ids) < max(cfg.min_tokens, 1) or not self.workers:
             self.skipped += 1
             return
-        groups: dict[str, dict[Hashable, str | None]] = {}
+        groups: dict[tuple[str, tuple[str, ...]], dict[Hashable, str | None]] = {}
         for wid, w in self.workers.items():
-            groups.setdefault(w.namespace, {})[wid] = w.segment
+            groups.setdefault((w.namespace, w.parts), {})[wid] = w.segment
         keys: list[str] = []
-        spans: list[tuple[str, int, int]] = []
-        for digest in groups:
-            ks = store_keys(token_ids, digest, cfg.chunk_size, cfg.hash_algo, cfg.seed,
+        spans: list[tuple[tuple[str, tuple[str, ...]], int, int]] = []
+        for group in groups:
+            ks = store_keys(token_ids, group[0], cfg.chunk_size, cfg.hash_algo, cfg.seed,
                             namespace or None, cfg.save_unfull_chunk)  # fmt: skip
-            spans.append((digest, len(keys), len(keys) + len(ks)))
-            keys.extend(ks)
+            for part in group[1] or ("",):  # one run of keys per rank's part
+                spans.append((group, len(keys), len(keys) + len(ks)))
+                keys.extend([f"{k}_{part}" for k in ks] if part else ks)
         if not keys:  # shorter than one chunk
             return
         locations = await self.client.aquery(keys)
@@ -133,13 +140,12 @@ class MooncakeStoreReader(TierSource):
             return
         claimed = {w.segment for w in self.workers.values() if w.segment}
         shared = {r.endpoint for loc in locations for r in loc.replicas} - claimed
-        answer: dict[Hashable, int] = {}
-        for digest, lo, hi in spans:
-            runs = loadable_prefix(locations[lo:hi], groups[digest], shared)
-            for wid, n in runs.items():
-                if n:
-                    answer[wid] = min(n * cfg.chunk_size, len(token_ids))
-        self.answer = answer
+        chunks: dict[Hashable, int] = {}
+        for group, lo, hi in spans:  # a chunk is loadable where every part of it is
+            for wid, n in loadable_prefix(locations[lo:hi], groups[group], shared).items():
+                chunks[wid] = min(n, chunks.get(wid, n))
+        self.answer = {wid: min(n * cfg.chunk_size, len(token_ids))
+                       for wid, n in chunks.items() if n}  # fmt: skip
 
     def loadable_tokens(
         self, workers: Iterable[Hashable], keys_for: KeysFor | None = None
