@@ -2,7 +2,8 @@
 writes its own KV heads' part of every page under a key naming those heads; with the device and
 host tiers flushed (and in a fresh engine), the pages come back from the store and the greedy
 tokens are tp 1's; a page one rank lacks its part of is not loaded (recomputed); a rank killed
-while the store is in use still takes the engine down with a message."""
+while the store is in use still takes the engine down with a message. The same round trip
+through a real Mooncake master and store process (skipped without the wheel)."""
 
 from __future__ import annotations
 
@@ -148,3 +149,49 @@ def test_a_killed_rank_takes_the_engine_down_with_the_store_in_use(model_dir, tm
         assert f"tensor-parallel rank 1 (pid {rank1}) was killed by signal 9" in message
     finally:
         server.stop(check=False)
+
+
+def present(cluster, keys: list[str]) -> int:
+    """How many of the leading ``keys`` the Mooncake master lists (its own HTTP answer)."""
+    import urllib.request
+
+    from radixserve.router.kvindex.mooncake_meta import (
+        parse_batch_query,
+        present_prefix,
+        query_path,
+    )
+
+    with urllib.request.urlopen(f"http://{cluster.metrics_addr}{query_path(keys)}") as r:
+        return present_prefix(parse_batch_query(r.read(), keys))
+
+
+def test_mooncake_store_holds_each_ranks_part_and_gives_them_back(model_dir, tp1) -> None:
+    """The same through a real Mooncake master and store process: each rank's part of every
+    chunk is an object of its own, and a flushed engine loads them back."""
+    from mooncake_harness import MooncakeCluster, backend_ports
+
+    cluster = MooncakeCluster(segment_bytes=64 << 20)
+    try:
+        extra = {"master_server_address": cluster.master_rpc, "chunk_size": CHUNK,
+                 **backend_ports(cluster.client_env())}  # fmt: skip
+        e = Engine(model=str(model_dir), max_total_tokens=512, context_length=256, tp_size=2,
+                   enable_hierarchical_cache=True, hicache_storage_backend="mooncake",
+                   hicache_storage_backend_extra_config=json.dumps(extra),
+                   hicache_storage_prefetch_policy="wait_complete")  # fmt: skip
+        try:
+            info = e.procs.info["kv_store"]
+            first = e.generate(input_ids=PROMPT, sampling_params=SP)
+            wait_written(e, 2 * CHUNKS)
+            assert e.flush_cache()
+            loaded = e.generate(input_ids=PROMPT, sampling_params=SP)
+        finally:
+            e.shutdown()
+        base = [f"{info['namespace']}_{h}" for h in block_hashes(PROMPT, CHUNK, "sha256_cbor")]
+        held = [present(cluster, [f"{k}_{p}" for k in base]) for p in info["key_parts"]]
+        assert present(cluster, base) == 0  # no whole-page key: only the ranks' parts
+    finally:
+        cluster.stop()
+    assert held == [CHUNKS, CHUNKS]
+    assert loaded["meta_info"]["cached_tokens_details"]["storage"] == LOADED
+    assert first["output_ids"] == loaded["output_ids"] == tp1["output_ids"]
+    assert logprobs(loaded) == pytest.approx(logprobs(tp1), abs=1e-4)
