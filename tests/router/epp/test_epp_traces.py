@@ -32,7 +32,7 @@ def test_the_pick_and_the_engine_join_the_clients_trace(tmp_path, monkeypatch):
         procs.append(worker)
         epp = EppProc([worker.url], "--policy", "cache_aware", *traced(receiver))
         procs.append(epp)
-        envoy = EnvoyProc(epp.grpc_port, tmp_path)
+        envoy = EnvoyProc(epp, tmp_path)
         procs.append(envoy)
         _wait_routable(epp, 1)
         body = _prompt(1, 0)

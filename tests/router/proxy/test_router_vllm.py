@@ -445,7 +445,7 @@ def test_behind_envoy_the_epp_routes_vllm_on_its_kv_events(vllm_pair, tmp_path):
                   "--health-check-interval-secs", "0.5")  # fmt: skip
     envoy = None
     try:
-        envoy = EnvoyProc(epp.grpc_port, tmp_path)
+        envoy = EnvoyProc(epp, tmp_path)
         wait_for(lambda: all(w.get("kv_events") and w["healthy"] for w in epp.workers().values()),
                  "both publishers followed")  # fmt: skip
 

@@ -62,13 +62,15 @@ def set_header(name: str, value: str) -> Any:
     )
 
 
-def picked(endpoint: str, body: bytes, extra: dict[str, str]) -> list[Any]:
-    """The answers to a buffered request: headers with the pick (and the same value in the
-    `envoy.lb` dynamic metadata), then the whole body streamed back unchanged."""
-    sets = [set_header(DESTINATION, endpoint)] + [set_header(k, v) for k, v in extra.items()]
+def picked(endpoints: list[str], body: bytes, extra: dict[str, str]) -> list[Any]:
+    """The answers to a buffered request: headers with the picks, primary first and the
+    fallbacks a retry goes to after it, comma-separated (the same value in the `envoy.lb`
+    dynamic metadata), then the whole body streamed back unchanged."""
+    value = ",".join(endpoints)
+    sets = [set_header(DESTINATION, value)] + [set_header(k, v) for k, v in extra.items()]
     common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=sets))
     meta = pb.ProcessingResponse().dynamic_metadata
-    meta.update({LB_NAMESPACE: {DESTINATION: endpoint}})
+    meta.update({LB_NAMESPACE: {DESTINATION: value}})
     head = pb.ProcessingResponse(
         request_headers=pb.HeadersResponse(response=common), dynamic_metadata=meta
     )

@@ -21,12 +21,14 @@ SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 
 @dataclass(slots=True)
 class Pick:
-    """A picker's answer: an endpoint (`host:port`) and the picker's own handle for `done`,
-    or no endpoint and the HTTP status and message to answer with; `headers` are set on the
-    request Envoy sends on (e.g. the traceparent that joins the engine's spans to the pick's)."""
+    """A picker's answer: an endpoint (`host:port`), the fallbacks a proxy's retry goes to
+    when it fails (in order), and the picker's own handle for `done`; or no endpoint and the
+    HTTP status and message to answer with. `headers` are set on the request Envoy sends on
+    (e.g. the traceparent that joins the engine's spans to the pick's)."""
 
     endpoint: str | None
     handle: Any = None
+    fallbacks: list[str] = field(default_factory=list)
     status: int = 503
     message: str = ""
     headers: dict[str, str] = field(default_factory=dict)
@@ -106,7 +108,8 @@ class EndpointPicker:
         if pick.endpoint is None:
             kind = "rate_limit_exceeded" if pick.status == 429 else "service_unavailable"
             return [p.immediate(pick.status, pick.message, kind)]
-        answers = p.picked(pick.endpoint, bytes(state.body), pick.headers)
+        endpoints = [pick.endpoint, *pick.fallbacks]
+        answers = p.picked(endpoints, bytes(state.body), pick.headers)
         return answers if with_body else answers[:1]
 
 

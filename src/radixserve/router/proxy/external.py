@@ -15,9 +15,11 @@ from radixserve.router.proxy.workers import Worker
 
 
 def endpoint(worker: Worker) -> str:
-    """The worker's `host:port`, as the Gateway API names an endpoint."""
+    """The worker's `host:port`, as the Gateway API names an endpoint (an IPv6 host in
+    brackets, as Envoy writes a host's address)."""
     parts = urlsplit(worker.url)
-    return f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
+    host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname
+    return f"{host}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
 
 
 async def choose(
@@ -38,6 +40,18 @@ async def choose(
     return worker, view
 
 
+def fallbacks(
+    router: Router, picked: Worker, allowed: Collection[str] | None, n: int
+) -> list[Worker]:
+    """Up to `n` other routable workers (in `allowed`, not overloaded), least loaded first: where
+    the proxy retries when `picked` fails before it answers."""
+    now = time.monotonic()
+    others = [w for w in router.registry.workers if w is not picked
+              and w.view(now).healthy and w.id not in router.registry.overloaded
+              and (allowed is None or endpoint(w) in allowed)]  # fmt: skip
+    return sorted(others, key=lambda w: (w.load, w.queued_units))[:n]
+
+
 def shedding(router: Router) -> bool:
     """No worker was picked because every routable one is past an overload threshold."""
     return bool(router.registry.overloaded) and router.registry.routable() > 0
@@ -52,18 +66,31 @@ def dispatched(router: Router, worker: Worker, view: RequestView) -> None:
     router._maybe_evict()
 
 
-def settled(router: Router, worker: Worker, view: RequestView, status: int | None) -> None:
+def settled(
+    router: Router, worker: Worker, view: RequestView, status: int | None, failed_over: bool
+) -> None:
     """The request on `worker` ended (`status`: its HTTP status, None: unknown). A 5xx, which
     is also what the proxy answers when it cannot reach the worker, counts against the worker's
-    circuit breaker as a failed attempt through `route` does, so a dead worker is left out at
-    its first failures, not only at its next missed health check."""
+    circuit breaker as a failed attempt through `route` does, and so does `failed_over` (the
+    proxy says another endpoint served: `worker` failed before answering, and the proxy's retry
+    went on down the fallbacks), so a dead worker is left out at its first failures, not only at
+    its next missed health check."""
     now = time.monotonic()
     worker.load, worker.queued_units = worker.load - 1, worker.queued_units - units(view.key)
     worker.breaker.settled()
-    if status is not None:
+    if failed_over:
+        worker.counts["errors"] += 1
+        worker.breaker.record(False, now)
+    elif status is not None:
         worker.counts["errors"] += status >= 500
         worker.breaker.record(status < 500, now)
     router.policy.on_complete(worker.id, view, now)
+
+
+async def recheck(router: Router, worker: Worker) -> None:
+    """Probe a worker the proxy saw fail: when it does not answer its health check either, it
+    leaves routing at once rather than at its next scheduled checks."""
+    await router.registry.recheck(worker)
 
 
 async def join(router: Router, url: str) -> None:

@@ -280,6 +280,16 @@ class WorkerRegistry:
         worker.healthy = ok
         return ok
 
+    async def recheck(self, worker: Worker) -> None:
+        """One probe now, for a worker a request just failed on: a failed one takes the worker
+        out at once (as failing its health checks would); a passed one changes nothing."""
+        if not worker.healthy or await self._probe(worker):
+            return
+        if worker.healthy and worker in self.workers:  # not taken out while it was probed
+            worker.healthy, worker.probe_failures, worker.probe_successes = False, 1, 0
+            self.on_removed(worker.id)
+            log.warning("worker %s (%s) failed a request and a probe", worker.id, worker.url)
+
     async def _probe(self, worker: Worker) -> bool:
         # The whole probe, connecting included, is bounded: one host that drops packets must
         # not hold up the verdict on the others.
