@@ -158,8 +158,7 @@ class RouterPicker:
         worker, view, span = handle
         failed_over = served is not None and served != self.external.endpoint(worker)
         if failed_over:
-            log.warning("picked %s, the proxy says %s served: %s failed", worker.url, served,
-                        worker.url)  # fmt: skip
+            log.warning("picked %s, the proxy says %s served: the pick failed", worker.url, served)
             self._recheck(worker)
         self.external.settled(self.router, worker, view, status, failed_over)
         if span is not None:  # the request's response headers are back (or its stream ended)
