@@ -82,15 +82,31 @@ def test_tool_choice(choice, expected):
     assert chat["tool_choice"] == expected and chat["parallel_tool_calls"] is True
 
 
-def test_an_error_tool_result_says_so_and_past_thinking_is_dropped():
+def test_an_error_tool_result_says_so_and_past_thinking_is_the_turns_reasoning():
     loop = [LOOP[0], {"role": "assistant", "content": [
-        {"type": "thinking", "thinking": "hmm", "signature": "s"}, LOOP[1]["content"][1]]},
+        {"type": "thinking", "thinking": "hmm", "signature": "s"}, LOOP[1]["content"][1],
+        {"type": "thinking", "thinking": "and so", "signature": "t"}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
                                       "content": "no such city", "is_error": True}]}]  # fmt: skip
-    messages = chat_request(request(messages=loop))["messages"]
-    assert messages[1]["content"] is None and "hmm" not in json.dumps(messages)
+    chat = chat_request(request(messages=loop))
+    ChatCompletionRequest.model_validate(chat)  # what the route validates it as
+    messages = chat["messages"]
+    assert messages[1]["content"] is None and messages[1]["reasoning_content"] == "hmm\nand so"
     assert messages[2] == {"role": "tool", "tool_call_id": "toolu_1",
                            "content": "Error: no such city"}  # fmt: skip
+
+
+def test_redacted_thinking_is_refused_by_name():
+    loop = [LOOP[0], {"role": "assistant", "content": [
+        {"type": "redacted_thinking", "data": "EuYBCkQYAiJA"}, {"type": "text", "text": "Hi"}]},
+        {"role": "user", "content": "Go on"}]  # fmt: skip
+    with pytest.raises(ApiError) as e:
+        chat_request(request(messages=loop))
+    assert (
+        e.value.status == 400
+        and "redacted_thinking" in str(e.value)
+        and "encrypted" in str(e.value)
+    )
 
 
 def test_count_tokens_renders_the_same_prompt():

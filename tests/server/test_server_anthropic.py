@@ -259,3 +259,59 @@ def test_thinking_disabled_is_served_where_there_is_no_reasoning(client, server)
     """No switch and no --reasoning-parser (SmolLM2): there is no reasoning to turn off."""
     m = hello(client, server, thinking={"type": "disabled"})
     assert m.stop_reason in ("end_turn", "max_tokens") and text_of(m)
+
+
+# Qwen3's rule for past reasoning, in a few lines: an assistant turn's reasoning_content is
+# rendered only after the last user query (a tool result is no query), i.e. in the tool loop
+# under way; earlier turns' is dropped, as Anthropic drops its older models' earlier thinking.
+QWEN3_LIKE = (
+    "{% set ns = namespace(last=-1) %}{% for m in messages %}{% if m['role'] == 'user' and not "
+    "m['content'].startswith('<tool_response>') %}{% set ns.last = loop.index0 %}{% endif %}"
+    "{% endfor %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == "
+    "'assistant' and m.reasoning_content is defined and m.reasoning_content and loop.index0 > "
+    "ns.last %}<think>\n{{ m.reasoning_content }}\n</think>\n\n{% endif %}{{ m['content'] }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+THOUGHT = {"type": "thinking", "thinking": "The user wants the weather: call the tool.",
+           "signature": ""}  # fmt: skip
+CALL = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}
+RESULT = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                       "content": "sunny"}]}  # fmt: skip
+
+
+def test_past_thinking_reaches_the_template_as_reasoning_content(tiny_model_dir, tmp_path):
+    """A past turn's thinking is the template's to render: one following Qwen3's rule renders
+    the thinking of the tool loop under way and drops an earlier turn's; the router renders
+    the same prompt; the OpenAI route takes it as reasoning_content or reasoning."""
+    from radixserve.router.proxy.kv_setup import load_tokenizer, prompt_ids
+    from radixserve.router.proxy.request_body import routed_payload
+
+    model = Path(shutil.copytree(tiny_model_dir, tmp_path / "qwen3-like"))
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": QWEN3_LIKE}))
+    tiny = ServerProcess(["--model", str(model), "--max-total-tokens", "2048",
+                          "--tool-call-parser", "hermes"])  # fmt: skip
+    try:
+        client = anthropic.Anthropic(base_url=tiny.url, api_key="-", max_retries=0)
+
+        def count(*assistant: dict, after: list | None = None) -> int:
+            turns = [ASK[0], {"role": "assistant", "content": list(assistant)}, *(after or [])]
+            body = {"model": tiny.name, "messages": turns, "tools": TOOLS[:1]}
+            n = client.messages.count_tokens(**body).input_tokens
+            routed = prompt_ids(routed_payload(body, "/v1/messages"),
+                                load_tokenizer(str(model)), tool_parser="hermes")  # fmt: skip
+            assert routed is not None and len(routed) == n  # the router renders it alike
+            return n
+
+        assert count(THOUGHT, CALL, after=[RESULT]) > count(CALL, after=[RESULT])  # the loop
+        later = [{"role": "user", "content": "And tomorrow?"}]
+        answer = {"type": "text", "text": "Sunny."}
+        assert count(THOUGHT, answer, after=later) == count(answer, after=later)  # an old turn
+        said = {"role": "assistant", "content": "Sunny."}
+        counts = [tiny.post("/tokenize", {"messages": [ASK[0], said | extra]}).json()["count"]
+                  for extra in ({}, {"reasoning_content": "hmm"}, {"reasoning": "hmm"})]  # fmt: skip
+        assert counts[1] == counts[2] > counts[0]  # the last turn: rendered, under either name
+        bad = tiny.post("/tokenize", {"messages": [ASK[0] | {"reasoning": "hmm"}]})
+        assert bad.status == 400 and bad.json()["error"]["param"] == "messages.0.reasoning"
+    finally:
+        tiny.stop()

@@ -335,6 +335,12 @@ def in_tool_tests(server, route: Route) -> None:
     reasoning apart), which this tiny model's 128-token context cannot hold."""
 
 
+def in_thinking_test(server, route: Route) -> None:
+    """A past assistant turn's reasoning goes to the template, which this tiny model's ignores:
+    tests/server/test_server_anthropic.py renders it with a template that reads it (and sees a
+    user message's refused)."""
+
+
 def check_accepted(server, route: Route, **fields: Any) -> None:
     """Identifiers and tags that change nothing a model computes (OpenAI uses them for abuse
     monitoring, its own cache buckets and stored completions; the router reads routing_key)."""
@@ -380,6 +386,8 @@ HONOURED: dict[str, Check] = {
     "tool_choice": in_tool_tests,
     "parallel_tool_calls": in_tool_tests,
     "separate_reasoning": in_tool_tests,
+    "reasoning_content": in_thinking_test,
+    "reasoning": in_thinking_test,
 }
 HONOURED |= make_checks(send, sampled, _limit)  # sampling, logprobs, structured output
 # accepted and changing nothing the model computes, by definition (see check_accepted)

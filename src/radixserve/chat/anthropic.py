@@ -1,7 +1,8 @@
 """Anthropic Messages bodies as the chat they render as: the system prompt, the messages' content
 blocks and the tools turned into OpenAI chat messages and tools. One translation for the server
 (which validates the body first) and the router (which renders it to route it). Pure: plain JSON
-objects in and out; blocks that render nothing (thinking) are dropped."""
+objects in and out. A past turn's thinking becomes its ``reasoning_content``, which the template
+renders or drops as the model was trained (Qwen3's keeps the current tool loop's only)."""
 
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def _user(content: Any) -> list[dict[str, Any]]:
 def _assistant(content: Any) -> dict[str, Any]:
     if isinstance(content, str):
         return {"role": "assistant", "content": content}
-    texts, calls = [], []
+    texts, calls, thoughts = [], [], []
     for b in content:
         if b.get("type") == "text":
             texts.append(b.get("text", ""))
@@ -60,7 +61,10 @@ def _assistant(content: Any) -> dict[str, Any]:
             calls.append({"id": b.get("id"), "type": "function",
                           "function": {"name": b.get("name"),
                                        "arguments": json.dumps(b.get("input"))}})  # fmt: skip
+        elif b.get("type") == "thinking" and b.get("thinking"):
+            thoughts.append(b["thinking"])
     out: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts) if texts else None}
+    out |= {"reasoning_content": "\n".join(thoughts)} if thoughts else {}
     return out | {"tool_calls": calls} if calls else out
 
 

@@ -30,6 +30,7 @@ def template_inputs(
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # fmt: skip
     """The messages and the extra template variables (``tools``, ``chat_template_kwargs``)."""
     _check_links(messages)
+    messages = [_with_reasoning(m) for m in messages]
     extra = _checked_kwargs(kwargs or {}, template)
     if knows_tools(template):
         return [_for_template(m, i) for i, m in enumerate(messages)], extra | (
@@ -63,6 +64,13 @@ def _check_links(messages: list[dict[str, Any]]) -> None:
         if link is not None and (m["role"] != "tool" or link not in ids):
             raise ChatError("tool_call_id must be on a tool message and name an earlier "
                             "assistant message's tool call", f"messages.{i}.tool_call_id")  # fmt: skip
+
+
+def _with_reasoning(m: dict[str, Any]) -> dict[str, Any]:
+    """A past turn's reasoning under both its names: Qwen3's and DeepSeek's templates read
+    ``reasoning_content``, newer ones ``reasoning`` (vLLM's name)."""
+    given = m.get("reasoning_content") or m.get("reasoning")
+    return m | {"reasoning_content": given, "reasoning": given} if given else m
 
 
 def _checked_kwargs(kwargs: dict[str, Any], template: str | None) -> dict[str, Any]:

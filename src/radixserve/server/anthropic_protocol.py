@@ -25,6 +25,7 @@ from radixserve.server.protocol import (
 
 _ALPHABET = string.ascii_letters + string.digits
 NO_MEDIA = "this server serves text-only models"
+REDACTED = "it holds reasoning Anthropic encrypted, which no model here can read"
 
 
 class _Strict(BaseModel):
@@ -66,7 +67,10 @@ class ToolResultBlock(_Strict):
 
 
 class ThinkingBlock(_Strict):
-    """A past turn's thinking: dropped from the prompt, as Anthropic drops earlier turns'."""
+    """A past turn's thinking: the template gets it as the turn's reasoning_content (and
+    renders it or not, as the model was trained). The signature is not checked: this server
+    signs nothing (its thinking blocks come back with an empty one). Redacted thinking is
+    refused: what Anthropic encrypted no model here can read."""
 
     type: Literal["thinking", "redacted_thinking"]
     thinking: str = ""
@@ -213,12 +217,13 @@ ALLOWED = {"system": (TextBlock,), "user": (TextBlock, ToolResultBlock),
 def _check_blocks(body: _Prompt) -> None:
     for m in body.messages:
         for b in m.content if isinstance(m.content, list) else []:
-            if not isinstance(b, ALLOWED[m.role]):
+            if not isinstance(b, ALLOWED[m.role]) or b.type == "redacted_thinking":
                 _refuse_block(b, m.role)
 
 
 def _refuse_block(b: Any, role: str) -> None:
-    why = NO_MEDIA if isinstance(b, MediaBlock) else f"a {role} message cannot hold it"
+    why = (NO_MEDIA if isinstance(b, MediaBlock) else REDACTED if b.type == "redacted_thinking"
+           else f"a {role} message cannot hold it")  # fmt: skip
     raise ApiError(400, f"content blocks of type {b.type!r} are not supported: {why}",
                    "unsupported_content", "messages")  # fmt: skip
 

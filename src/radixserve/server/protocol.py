@@ -298,6 +298,9 @@ class ChatMessage(_Body):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
+    # a past assistant turn's reasoning, handed to the template (which renders it or not)
+    reasoning_content: str | None = None
+    reasoning: str | None = None  # vLLM's newer name for it
     function_call: Any = unsupported(NO_TOOLS)
     refusal: Any = unsupported("a refusal in the history has no place in the chat template")
     audio: Any = unsupported(NO_MEDIA)

@@ -113,7 +113,23 @@ def chat_message(m: ChatMessage, i: int) -> dict[str, Any]:
         out["tool_calls"] = [c.model_dump() for c in m.tool_calls]
     if m.tool_call_id is not None:
         out["tool_call_id"] = m.tool_call_id
+    out |= _reasoning(m, i)
     return out | {"name": m.name} if m.name else out
+
+
+def _reasoning(m: ChatMessage, i: int) -> dict[str, str]:
+    """An assistant message's past reasoning, under either name (as this server answers both,
+    a client may send a message back as it got it); on another role it is refused."""
+    given = {k: v for k in ("reasoning_content", "reasoning") if (v := getattr(m, k)) is not None}
+    if not given:
+        return {}
+    name = next(iter(given))
+    if m.role != "assistant":
+        raise ApiError(400, f"{name} belongs on an assistant message", param=f"messages.{i}.{name}")
+    if len(set(given.values())) > 1:
+        raise ApiError(400, "reasoning_content and reasoning differ: send one",
+                       param=f"messages.{i}.reasoning")  # fmt: skip
+    return {"reasoning_content": given[name]}
 
 
 async def _openai(

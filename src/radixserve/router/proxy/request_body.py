@@ -65,10 +65,14 @@ def extract_prompt(payload: dict[str, Any]) -> Prompt:
     return Prompt(text=text) if isinstance(text, str) else Prompt()
 
 
+REASONING = ("reasoning_content", "reasoning")
+"""A past assistant turn's reasoning, under either name (the server takes the first given)."""
+
+
 def chat_message(m: dict[str, Any]) -> dict[str, Any]:
     """A message as the server normalises it before templating: text parts joined with
-    PART_SEPARATOR, missing content as "", past tool calls with their defaults filled in (the
-    template sees the same dicts, keys in the same order)."""
+    PART_SEPARATOR, missing content as "", past tool calls with their defaults filled in, past
+    reasoning as reasoning_content (the template sees the same dicts, keys in the same order)."""
     content = m.get("content")
     if isinstance(content, list):
         content = PART_SEPARATOR.join(
@@ -79,6 +83,9 @@ def chat_message(m: dict[str, Any]) -> dict[str, Any]:
         out["tool_calls"] = [_call(c) for c in m["tool_calls"]]
     if m.get("tool_call_id") is not None:
         out["tool_call_id"] = m["tool_call_id"]
+    reasoning = next((m[k] for k in REASONING if m.get(k) is not None), None)
+    if reasoning is not None:
+        out["reasoning_content"] = reasoning
     return out | {"name": m["name"]} if m.get("name") else out
 
 
