@@ -210,8 +210,8 @@ def test_inferencepool_schema_reads_the_v1_shape() -> None:
 
 def test_the_inferencepool_selects_the_engines_and_points_at_the_epp() -> None:
     """The pool's selector picks the engine pods, its target port is theirs, its picker is the
-    EPP's Service on the port the EPP serves ext_proc on; the EPP reads its workers from the
-    mounted ConfigMap (it has no pod discovery), and its probes ask its gRPC health."""
+    EPP's Service on the port the EPP serves ext_proc on; the EPP follows this pool (pod
+    discovery, --pool-name) in its own namespace, and its probes ask its gRPC health."""
     [pool] = [d for _, d in documents() if d["kind"] == "InferencePool"]
     engines = [d for _, d in workloads()
                if pool["spec"]["selector"]["matchLabels"].items()
@@ -228,12 +228,38 @@ def test_the_inferencepool_selects_the_engines_and_points_at_the_epp() -> None:
     assert args.command == "epp" and ref["port"]["number"] == args.grpc_port
     assert ref["port"]["number"] in {p["port"] for p in svc["spec"]["ports"]}
     assert container["readinessProbe"]["grpc"]["port"] == args.grpc_port
-    [mount] = container["volumeMounts"]
-    [volume] = epp["spec"]["template"]["spec"]["volumes"]
-    assert args.worker_file.startswith(mount["mountPath"] + "/")
-    configmap = next(d for _, d in documents() if d["kind"] == "ConfigMap"
-                     and d["metadata"]["name"] == volume["configMap"]["name"])  # fmt: skip
-    key = args.worker_file.removeprefix(mount["mountPath"] + "/")
-    from radixserve.router.discovery import parse_worker_file
+    assert args.service_discovery and args.pool_name == pool["metadata"]["name"]
+    assert args.pool_group == pool["apiVersion"].split("/")[0]
 
-    assert parse_worker_file(configmap["data"][key]) == []  # the operator fills it in
+
+def test_discovering_workloads_may_watch_pods_in_their_own_namespace() -> None:
+    """Each command with --service-discovery watches the namespace its pod runs in (the
+    downward API's metadata.namespace), under a service account whose Role grants get, list and
+    watch on pods (and get on the InferencePool it follows); engines are found by the labels
+    the engine pods carry, on the port they listen on."""
+    from rbac import granted
+
+    engine_labels = next(d for _, d in workloads() if d["metadata"]["name"] == "radixserve-engine")[
+        "spec"]["template"]["metadata"]["labels"]  # fmt: skip
+    found = 0
+    for _, doc in workloads():
+        for c in doc["spec"]["template"]["spec"]["containers"]:
+            argv = c.get("args", [])
+            if "--service-discovery" not in argv:
+                continue
+            found += 1
+            env = {e["name"]: e for e in c.get("env", [])}
+            assert "--service-discovery-namespace=$(POD_NAMESPACE)" in argv
+            assert (
+                env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+            )
+            args = build_parser().parse_args(argv)
+            wanted = {("get", "pods"), ("list", "pods"), ("watch", "pods")}
+            if args.pool_name:
+                wanted.add(("get", f"{args.pool_group}/inferencepools"))
+            else:
+                selector = dict(e.split("=", 1) for e in args.selector)
+                assert selector.items() <= engine_labels.items()
+                assert args.service_discovery_port == 30000
+            assert wanted <= granted(doc["metadata"]["name"]), doc["metadata"]["name"]
+    assert found == 3  # the router, the KV indexer, the EPP

@@ -183,13 +183,14 @@ async def serve(config: RouterConfig, args: argparse.Namespace) -> None:
     """The router (admin, metrics, health checks, KV events) and the ext_proc service; the
     endpoints file, when asked for, is written before the service listens."""
     from radixserve.router.epp.service import start_grpc
+    from radixserve.router.follow import Followers
     from radixserve.router.proxy.app import Router
+    from radixserve.router.proxy.external import discovery_changes
 
+    followers = Followers(config.discovery, args.worker_file)  # no client or cluster config: now
     router = Router(config)
     http_port = await router.start()
     loop, tasks = asyncio.get_running_loop(), []
-    if args.worker_file:
-        tasks.append(loop.create_task(watch_file(router, args.worker_file)))
     if args.endpoints_file:
         written = write_endpoints(router, args.endpoints_file, None, 0)  # before Envoy starts
         tasks.append(loop.create_task(keep_endpoints(router, args.endpoints_file, written)))
@@ -200,7 +201,9 @@ async def serve(config: RouterConfig, args: argparse.Namespace) -> None:
     log.info("endpoint picker: ext_proc on %s:%d, admin and metrics on http://%s:%d, %d "
              "worker(s), policy %s", args.grpc_host, bound, config.host, http_port,
              len(config.worker_urls), config.policy)  # fmt: skip
+    followers.start(*discovery_changes(router))
     await _until_signalled()
+    followers.stop()
     for task in tasks:
         task.cancel()
     stop_ready()
@@ -240,36 +243,3 @@ async def keep_endpoints(router: Any, path: str, written: list[str], every: floa
             written = write_endpoints(router, path, written, version)
         except OSError as exc:  # a full or read-only disk: said, tried again next time
             log.warning("endpoints file %s: %s", path, exc)
-
-
-async def watch_file(router: Any, path: str, every: float = 1.0) -> None:
-    """Re-read the worker file whenever its modification time or size changes, and make the
-    workers it listed last match it; an unreadable or malformed file changes nothing (said once)."""
-    import os
-
-    from radixserve.router.discovery import parse_worker_file
-    from radixserve.router.proxy import external
-
-    seen, listed = None, set()
-    while True:
-        try:
-            st = os.stat(path)
-            if (st.st_mtime_ns, st.st_size) != seen:
-                seen = (st.st_mtime_ns, st.st_size)
-                with open(path) as f:
-                    wanted = set(parse_worker_file(f.read()))
-                listed = await _reconcile(router, external, listed, wanted)
-        except (OSError, ValueError) as exc:
-            log.warning("worker file %s: %s (workers unchanged)", path, exc)
-        await asyncio.sleep(every)
-
-
-async def _reconcile(router: Any, external: Any, listed: set[str], wanted: set[str]) -> set[str]:
-    """Workers the file listed before and no longer does leave; new ones join."""
-    for url in sorted(listed - wanted):
-        await external.leave(router, url)
-        log.info("worker file: %s left", url)
-    for url in sorted(wanted - listed):
-        await external.join(router, url)
-        log.info("worker file: %s joined", url)
-    return wanted

@@ -1,4 +1,5 @@
-"""`radixserve kv-indexer --worker-urls ... --redis redis://host:port/db`: its flags
+"""`radixserve kv-indexer --worker-urls ... --redis redis://host:port/db` (or the workers found as
+Kubernetes pods, --service-discovery, as `route`): its flags
 (IndexerConfig), its HTTP face (health, metrics, the router's worker-admin endpoints) and `run`."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.config import add_dataclass_args, from_args
+from radixserve.router.discovery import DiscoveryConfig
 
 log = logging.getLogger("radixserve.kv_indexer")
 
@@ -36,6 +38,12 @@ class IndexerConfig:
         2, "failed probes in a row after which a worker is dead and its entries leave Redis"
     )
     admin_api_key: str | None = _f(None, "bearer key required on worker management")
+    discovery: DiscoveryConfig = field(
+        default_factory=DiscoveryConfig,
+        metadata={
+            "help": "Kubernetes pod discovery, as `route`'s: --service-discovery, --selector"
+        },
+    )
     log_level: str = _f("info", "logging level", choices=("debug", "info", "warning", "error"))
 
     def __post_init__(self) -> None:
@@ -80,6 +88,7 @@ async def serve(config: IndexerConfig) -> int:
     import redis.asyncio as aioredis
 
     from radixserve.net import bind
+    from radixserve.router.follow import Followers
     from radixserve.router.indexer.admin import AdminServer
     from radixserve.router.indexer.service import Indexer
     from radixserve.router.kvindex.redis_store import RedisIndexStore
@@ -89,6 +98,7 @@ async def serve(config: IndexerConfig) -> int:
     writer = RedisIndexWriter(RedisIndexStore(client, config.redis_prefix))
     indexer = Indexer(writer, config.health_check_interval_secs, config.health_failure_threshold)
     try:
+        followers = Followers(config.discovery, None)  # no client or cluster config: one line
         await indexer.start(list(config.worker_urls))
     except ValueError as exc:  # a malformed or repeated worker URL
         print(f"radixserve kv-indexer: {exc}", file=sys.stderr)
@@ -96,6 +106,7 @@ async def serve(config: IndexerConfig) -> int:
     except Exception as exc:  # Redis unreachable at start: say so in one line
         print(f"radixserve kv-indexer: cannot use {config.redis}: {exc}", file=sys.stderr)
         return 1
+    followers.start(*_changes(indexer))
     admin = AdminServer(indexer, config.admin_api_key)
     sock = bind(config.host, config.port)
     await admin.start(sock)
@@ -105,7 +116,21 @@ async def serve(config: IndexerConfig) -> int:
     print(f"radixserve kv-indexer: following {len(config.worker_urls)} worker(s) into "
           f"{config.redis}; admin on http://{config.host}:{sock.getsockname()[1]}", flush=True)  # fmt: skip
     await stop.wait()
+    followers.stop()
     await admin.stop()
     await indexer.stop()
     await client.aclose()
     return 0
+
+
+def _changes(indexer: Any) -> tuple[Any, Any]:
+    """(join, leave) for router/follow.py: a discovered worker followed already (under
+    --worker-urls or through the admin API) is left as it is."""
+
+    async def join(url: str) -> None:
+        try:
+            indexer.add(url)
+        except ValueError:  # already followed
+            pass
+
+    return join, indexer.remove

@@ -50,13 +50,17 @@ def run(args: argparse.Namespace) -> int:
 
 async def serve(config: RouterConfig) -> None:
     """Run a Router with `config` until the process is told to stop."""
+    from radixserve.router.follow import Followers
     from radixserve.router.proxy.app import Router  # the HTTP stack is an optional extra
+    from radixserve.router.proxy.external import discovery_changes
 
+    followers = Followers(config.discovery, None)  # no client or no cluster config: say so now
     try:
         router = Router(config)  # kv_aware with --tokenizer loads it here
     except (OSError, ValueError) as exc:
         raise SystemExit(f"radixserve route: error: {exc}") from None
     port = await router.start()
+    followers.start(*discovery_changes(router))
     # The prefix tree holds millions of long-lived objects that the cyclic GC would rescan over
     # and over; rarer young-generation passes cut the router's CPU per request by about 8%.
     gc.freeze()
@@ -74,4 +78,5 @@ async def serve(config: RouterConfig) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    followers.stop()
     await router.stop()

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from radixserve.config import TraceConfig, check_fields
+from radixserve.router.discovery import DiscoveryConfig
 from radixserve.router.policies.config import CachePolicyConfig
 from radixserve.router.policies.registry import POLICIES, policy_names
 from radixserve.router.proxy.worker_shapes import (
@@ -248,6 +249,10 @@ class RouterConfig:
         default_factory=HealthConfig,
         metadata={"help": "health checks, circuit breaker, worker connections"},
     )
+    discovery: DiscoveryConfig = field(
+        default_factory=DiscoveryConfig,
+        metadata={"help": "Kubernetes pod discovery: --service-discovery, --selector"},
+    )
     log_level: str = _f("info", "logging level", choices=("debug", "info", "warning", "error"))
     trace: TraceConfig = field(
         default_factory=TraceConfig,
@@ -300,6 +305,9 @@ class RouterConfig:
             if set_:
                 raise ValueError(f"{', '.join(set_)}: for --pd-disaggregation only")
             return
+        if self.discovery.service_discovery:
+            raise ValueError("--service-discovery: not with --pd-disaggregation yet (smg's "
+                             "--prefill-selector / --decode-selector are not built)")  # fmt: skip
         if self.worker_urls:
             raise ValueError("--worker-urls: with --pd-disaggregation give the workers as "
                              "--prefill URL [BOOTSTRAP_PORT] and --decode URL")  # fmt: skip

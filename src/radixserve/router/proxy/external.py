@@ -4,8 +4,10 @@ picker): the same request view, shared-index read, policy choice and in-flight a
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Collection
+from typing import Any
 from urllib.parse import urlsplit
 
 from radixserve.router.policies.base import RequestView
@@ -116,6 +118,11 @@ async def leave(router: Router, url: str) -> None:
     router.kinds.forget(worker.id)
     if router.kv is not None:
         await router.kv.forget(worker.id)
+
+
+def discovery_changes(router: Router) -> tuple[Any, Any]:
+    """(join, leave) on this router, as router/follow.py calls them with a url."""
+    return functools.partial(join, router), functools.partial(leave, router)
 
 
 def worker_urls(router: Router) -> set[str]:
