@@ -8,6 +8,8 @@ the one port that --service-discovery-port names, as pods in a cluster would be.
 from __future__ import annotations
 
 import asyncio
+import http.client
+import json
 import os
 import socket
 import subprocess
@@ -156,7 +158,39 @@ def test_a_compacted_watch_lists_again_and_an_api_outage_keeps_the_workers(pods_
     used = set(api.seen)
     assert used == {("list", "pods"), ("watch", "pods")}
     assert used <= granted("radixserve-router"), "its Role grants what discovery asks for"
-    assert used <= granted("radixserve-kv-indexer")
+
+
+def test_the_kv_indexer_follows_the_same_pods_under_the_same_names(pods_on_one_port, api):
+    """kv-indexer --service-discovery: it follows the ready pods, as http://POD_IP:PORT (the
+    names the router gives them, so the shared index's entries match the router's workers)."""
+    redis = pytest.importorskip("redis_harness")
+    port, _ = pods_on_one_port
+    a, b = (f"http://{ip}:{port}" for ip in IPS[:2])
+    api.put(pod("engine-a", NS, LABELS, IPS[0], ready=True))
+    api.put(pod("engine-b", NS, LABELS, IPS[1], ready=True))
+    server = redis.RedisServer()
+    indexer = WorkerProc([sys.executable, "-m", "radixserve", "kv-indexer", "--port", "0",
+                          "--redis", server.url, "--service-discovery", "--selector",
+                          *(f"{k}={v}" for k, v in LABELS.items()), "--service-discovery-port",
+                          str(port), "--service-discovery-namespace", NS])  # fmt: skip
+    try:
+        admin = indexer.wait_line(r"admin on http://(\S+)").group(1)
+        followed = lambda: set(json.loads(get(admin, "/workers"))["urls"])  # noqa: E731
+        wait(lambda: followed() == {a, b}, "the indexer follows the ready pods")
+        api.delete(NS, "engine-b")
+        wait(lambda: followed() == {a}, "and stops following a deleted one")
+    finally:
+        indexer.stop()
+        server.stop()
+    assert set(api.seen) <= granted("radixserve-kv-indexer")
+
+
+def get(addr: str, path: str) -> bytes:
+    conn = http.client.HTTPConnection(addr, timeout=10)
+    conn.request("GET", path)
+    data = conn.getresponse().read()
+    conn.close()
+    return data
 
 
 @pytest.mark.parametrize(
