@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from radixserve.chat.prompt import ChatError, template_inputs
+from radixserve.chat.prompt import ChatError, template_inputs, transformers_inputs
 from radixserve.chat.tool_parsers import get_tool_parser, parser_for_template
 from radixserve.config import ModelConfig
 from radixserve.modelfiles.locate import resolve_model_dir
@@ -82,3 +82,15 @@ def test_bad_arguments_and_unused_template_kwargs_name_the_field(smollm2):
     with pytest.raises(ChatError, match="enable_thinking") as e:
         template_inputs(HISTORY[:1], None, smollm2.chat_template, None, {"enable_thinking": False})
     assert e.value.param == "chat_template_kwargs"
+
+
+def test_past_reasoning_reaches_the_template_under_both_names():
+    """Qwen3's and DeepSeek's templates read reasoning_content, newer ones reasoning (vLLM hands
+    both); a message without reasoning is left as it was."""
+    said = {"role": "assistant", "content": "Sunny.", "reasoning_content": "look it up"}
+    for render in (lambda m: template_inputs(m, None, "{{ messages }}", None)[0],
+                   lambda m: transformers_inputs(m, None)[0]):  # fmt: skip
+        got = render([HISTORY[0], said, {"role": "user", "content": "And tomorrow?"}])
+        assert got[1] == said | {"reasoning": "look it up"} and got[0] == HISTORY[0]
+        newer = render([HISTORY[0], {"role": "assistant", "content": "x", "reasoning": "r"}])
+        assert newer[1]["reasoning_content"] == "r"

@@ -49,10 +49,11 @@ def transformers_inputs(
     kwargs: dict[str, Any] | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # fmt: skip
     """What vLLM and SGLang hand the template (transformers' apply_chat_template): the messages
-    with past calls' arguments as objects, ``tools`` and the kwargs as variables, whether or not
-    the template renders them (a template that knows no tools drops them)."""
+    with past calls' arguments as objects and past reasoning under both names (as vLLM does),
+    ``tools`` and the kwargs as variables, whether or not the template renders them (a template
+    that knows no tools drops them)."""
     extra = dict(kwargs or {}) | ({"tools": tools} if tools else {})
-    return [_for_template(m, i) for i, m in enumerate(messages)], extra
+    return [_for_template(_with_reasoning(m), i) for i, m in enumerate(messages)], extra
 
 
 def _check_links(messages: list[dict[str, Any]]) -> None:
