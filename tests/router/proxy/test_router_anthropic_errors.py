@@ -24,9 +24,10 @@ SLOW = "llama3-70b-tp4-a100"  # ~25 ms a token in real time: a long stream can b
 ASK = [{"role": "user", "content": "Tell me a long story."}]
 
 
-def launch(preset: str = SLOW) -> WorkerProc:
+def launch(*flags: str, preset: str = SLOW) -> WorkerProc:
     worker = WorkerProc([sys.executable, "-m", "radixserve", "serve", "--sim", preset,
-                         "--max-total-tokens", "8192", "--port", "0", "--log-level", "warning"])  # fmt: skip
+                         "--max-total-tokens", "8192", "--port", "0", "--log-level", "warning",
+                         *flags])  # fmt: skip
     worker.url = worker.wait_line(r"serving \S+ on (http://\S+)").group(1)
     worker.model = "sim-" + preset  # type: ignore[attr-defined]
     return worker
@@ -62,7 +63,7 @@ def anthropic_error(body: object, kind: str) -> str:
 
 @pytest.fixture(scope="module")
 def worker():
-    w = launch()
+    w = launch("--api-key", KEY)  # the same key: the router forwards the client's
     yield w
     w.stop()
 
@@ -77,7 +78,7 @@ def keyed(worker):
 
 def test_a_wrong_key_is_an_authentication_error_and_the_right_one_passes(keyed, worker):
     m = client(keyed).messages.create(model=worker.model, max_tokens=3, messages=ASK)
-    assert m.usage.output_tokens == 3  # x-api-key is the router's key, forwarded to the worker
+    assert m.usage.output_tokens == 3  # x-api-key is the router's key, and the worker's after it
     with pytest.raises(anthropic.AuthenticationError) as e:
         client(keyed, "sk-wrong").messages.create(model=worker.model, max_tokens=3, messages=ASK)
     assert anthropic_error(e.value.body, "authentication_error") == "missing or wrong API key"
