@@ -33,6 +33,9 @@ import time
 from array import array
 from collections.abc import Callable
 
+from _omp import OMP  # first: the engine's OpenMP wait policy, set before torch loads
+
+# isort: split
 import torch
 
 from _limits import GREEDY, decode_batch, decode_bound_s, prefill_flops, timed, weight_bytes
@@ -164,7 +167,8 @@ def main() -> None:
     slots = args.prompt_len + args.batch * args.context
     runner = TorchRunner(ModelConfig(num_threads=args.num_threads), num_slots=slots)
     runner.kv.kv.normal_()
-    print(f"workload: SmolLM2-135M {runner.dtype}, {torch.get_num_threads()} torch threads; "
+    print(f"workload: SmolLM2-135M {runner.dtype}, {torch.get_num_threads()} torch threads "
+          f"(OpenMP {' '.join(f'{k}={v}' for k, v in OMP.items())}); "
           f"prefill 1 x {args.prompt_len} uncached tokens in chunks of {args.chunk} "
           f"({prefill_flops(runner, 1, args.prompt_len) / 1e9:.1f} GFLOP); decode B={args.batch}"
           f" at context {args.context} ({weight_bytes(runner) / 1e6:.0f} MB weights + "

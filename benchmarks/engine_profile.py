@@ -28,6 +28,9 @@ from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
+from _omp import OMP  # first: the engine's OpenMP wait policy, set before torch loads
+
+# isort: split
 import torch
 import torch.nn.functional as F
 import zmq
@@ -226,7 +229,7 @@ def main() -> None:
     print(machine_line())
     results = {b: profile_batch(b, args, model) for b in args.batches}
     print(f"SmolLM2-135M, dtype {args.dtype}, attention {args.attention_backend or 'auto'}, "
-          f"{torch.get_num_threads()} torch threads; prefix {args.prefix_len} cached (in "
+          f"{torch.get_num_threads()} torch threads (OpenMP {OMP}); prefix {args.prefix_len} cached (in "
           f"{args.prefix_groups} group(s)) + {args.suffix_len} new tokens per request; ms per "
           f"step (decode: median of {args.decode_steps})")  # fmt: skip
     heads = [f"{kind} B={b}" for kind in ("prefill", "decode") for b in args.batches]

@@ -175,6 +175,7 @@ class EngineConfig:
                 "dtype": str(runner.dtype).removeprefix("torch."),
                 "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch."),
                 "attention_backend": runner.backend.name,
+                "num_threads": _torch_threads(),
                 "tp_size": self.model.tp_size,
                 "tp_rank_pids": getattr(runner, "rank_pids", []),
                 "kv_load_sample": sample, "kv_load_to_prefill_ratio": sample_ratio(sample)}  # fmt: skip
@@ -243,6 +244,13 @@ def launch(config: EngineConfig) -> EngineProcesses:
         raise EngineStartError(f"the scheduler process failed to start: {payload}")
     engine.info = payload
     return engine
+
+
+def _torch_threads() -> int:
+    """The torch CPU threads this (the scheduler) process computes with."""
+    import torch
+
+    return torch.get_num_threads()
 
 
 ENGINE_EXTRA = ("torch", "tokenizers", "safetensors", "gguf")
