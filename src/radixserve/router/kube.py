@@ -157,6 +157,8 @@ class PodWatcher:
 
 def _one_line(exc: BaseException) -> str:
     status, reason = getattr(exc, "status", None), getattr(exc, "reason", None)
+    if status == 403:  # the usual first-deployment mistake: say what the Role must grant
+        return "HTTP 403 Forbidden (RBAC: get, list, watch on pods; get on the InferencePool)"
     if status is not None:
         return f"HTTP {status} {reason or ''}".strip()
     return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"

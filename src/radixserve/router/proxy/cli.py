@@ -22,6 +22,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         description="Route requests to the worker that already caches their prefix.",
     )
     add_dataclass_args(parser, RouterConfig, "router")
+    parser.add_argument_group("worker discovery").add_argument(
+        "--worker-file",
+        default=None,
+        help="a file listing workers (a url a line, or JSON), re-read when it changes: workers "
+        "it adds join, workers it drops leave (--worker-urls stay); as `epp`'s",
+    )
     parser.set_defaults(run=run)
     return parser
 
@@ -41,20 +47,21 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         uvloop = None
     try:
-        uvloop.run(serve(config)) if uvloop else asyncio.run(serve(config))
+        work = serve(config, args.worker_file)
+        uvloop.run(work) if uvloop else asyncio.run(work)
     except (ValueError, OSError) as e:  # a malformed --worker-urls entry, a port in use
         print(f"radixserve route: {e}", file=sys.stderr)
         return 2
     return 0
 
 
-async def serve(config: RouterConfig) -> None:
-    """Run a Router with `config` until the process is told to stop."""
+async def serve(config: RouterConfig, worker_file: str | None = None) -> None:
+    """Run a Router with `config` (and the workers discovery finds) until told to stop."""
     from radixserve.router.follow import Followers
     from radixserve.router.proxy.app import Router  # the HTTP stack is an optional extra
     from radixserve.router.proxy.external import discovery_changes
 
-    followers = Followers(config.discovery, None)  # no client or no cluster config: say so now
+    followers = Followers(config.discovery, worker_file)  # no client or cluster config: now
     try:
         router = Router(config)  # kv_aware with --tokenizer loads it here
     except (OSError, ValueError) as exc:
