@@ -20,7 +20,7 @@ only in this process (they are not router policies a user can pick):
   cache_aware+upgrade   cache_aware, except that when the precise index says an eligible worker
                         holds at least a quarter of the prompt more than cache_aware's pick, the
                         request goes there: the guess corrected by the truth.
-  kv_aware-placement    kv_aware without its placement while evicting (router/policies/kv_aware.py): a
+  kv_aware-placement    kv_aware without its placement while evicting (policies/eviction_placement.py): a
                         request every eligible worker holds equally goes where the score sends
                         it (the least queued worker), evicting or not.
   kv_aware+held         kv_aware with that placement at every size, evicting or not: such a
@@ -49,7 +49,9 @@ from radixserve.config import CacheConfig  # noqa: E402
 from radixserve.router.kvindex.block_index import BlockIndex, InMemoryIndex, keys_by_size  # noqa: E402
 from radixserve.router.policies.base import RequestView, RouterPolicy, WorkerView, healthy_indices  # noqa: E402
 from radixserve.router.policies.cache_aware import CacheAwarePolicy  # noqa: E402
-from radixserve.router.policies.kv_aware import KvAwarePolicy, prompt_size  # noqa: E402
+from radixserve.router.policies.eviction_placement import EvictionPlacement  # noqa: E402
+from radixserve.router.policies.kv_aware import KvAwarePolicy  # noqa: E402
+from radixserve.router.policies.prefill_work import prompt_size  # noqa: E402
 from radixserve.router.policies.registry import register  # noqa: E402
 from radixserve.sim.cluster import ClusterConfig, ClusterSim  # noqa: E402
 from radixserve.sim.costmodel import get_cost_model  # noqa: E402
@@ -132,18 +134,30 @@ class CacheAwareUpgrade(CacheAwarePolicy):
         return best if gain > UPGRADE_SHARE * prompt_size(request) else pick
 
 
+class NoPlacement(EvictionPlacement):
+    def place(self, *args: object) -> int | None:
+        return None
+
+
+class AlwaysEvicting(EvictionPlacement):
+    def evicting(self, worker: Hashable, now: float) -> bool:
+        return True
+
+
 class KvAwareNoPlacement(KvAwarePolicy):
     """kv_aware without its placement while evicting: see the module docstring."""
 
-    def _place_while_evicting(self, *args: object) -> int | None:
-        return None
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self._evictions = NoPlacement(self.index, self._pending, self._shares)
 
 
 class KvAwareHeld(KvAwarePolicy):
     """kv_aware placing by holdings whether or not the fleet evicts."""
 
-    def _evicting(self, worker: Hashable, now: float) -> bool:
-        return True
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self._evictions = AlwaysEvicting(self.index, self._pending, self._shares)
 
 
 POLICIES = {

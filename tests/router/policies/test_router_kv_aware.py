@@ -8,13 +8,8 @@ from radixserve.router.kvindex.block_index import InMemoryIndex
 from radixserve.router.kvindex.event_format import BlockRemoved, BlockStored, namespace_string
 from radixserve.router.policies.base import RequestView, WorkerView
 from radixserve.router.policies.config import CachePolicyConfig
-from radixserve.router.policies.kv_aware import (
-    EVICTING_SECS,
-    HELD_QUEUE_SPAN,
-    KEEP_SHARE,
-    PENDING_WEIGHT,
-    KvAwarePolicy,
-)
+from radixserve.router.policies.eviction_placement import EVICTING_SECS, HELD_QUEUE_SPAN
+from radixserve.router.policies.kv_aware import KEEP_SHARE, PENDING_WEIGHT, KvAwarePolicy
 from radixserve.router.policies.registry import create_policy
 
 BS = 16

@@ -17,7 +17,8 @@ from radixserve.router.kvindex.mooncake_reader import MooncakeIndexConfig, Moonc
 from radixserve.router.kvindex.tiers import FixedTier
 from radixserve.router.policies.base import RequestView, WorkerView
 from radixserve.router.policies.config import CachePolicyConfig
-from radixserve.router.policies.kv_aware import DEFAULT_LOAD_RATIO, KvAwarePolicy, prefill_work
+from radixserve.router.policies.kv_aware import KvAwarePolicy
+from radixserve.router.policies.prefill_work import DEFAULT_LOAD_RATIO, prefill_work
 from radixserve.router.proxy.config import RouterConfig
 from radixserve.router.proxy.kv_setup import hash_seed, open_kv_index
 

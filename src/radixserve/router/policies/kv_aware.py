@@ -45,47 +45,13 @@ Registered as `--policy kv_aware`; pure (no I/O, no clock)."""
 # worker, the other computes the shared prompt once more (4 chats of 3 turns on those servers: 64
 # hit tokens fewer than cache_aware's 2,624, which kept them on one worker). While the fleet evicts,
 # the rule is off: a partial hold (a session's history partly evicted) is then worth chasing, and
-# new sessions are spread by the rule below. Applied then too, it cost 0.7 points of hit rate on
+# new sessions are spread by footprint (eviction_placement.py). Applied then too, it cost 0.7 points of hit rate on
 # simulated chat at a tenth of the pool (benchmarks/kv_aware_sweep.py, a seeded 10% dropped) and 0.2
 # on the Mooncake trace; off then, chat lost nothing and the trace moved by under 0.1 point (at half
 # and a tenth of the pool).
 #
-# Placement while the fleet evicts. A request every eligible worker holds equally and partly
-# (a system prompt they all have, nothing more of it anywhere) has no holder to prefer, and the
-# score above would send it to the least queued worker. While some eligible worker has removed
-# blocks in the last EVICTING_SECS (the index counts removals per worker; the policy dates a
-# change of that count at the decision that sees it), such a request instead goes to the worker
-# with the smallest footprint: tokens it holds (the index's blocks times its block size) plus
-# HELD_PENDING_WEIGHT x its queued prefill, among workers whose queue is within
-# HELD_QUEUE_SPAN prompts of the shortest; footprints within one prompt of the smallest count
-# as equal and go to the worker sent fewest requests lately (a vLLM cache, once warm, is always
-# full: its holdings are its capacity give or take a block, and chasing that block would pile
-# every new session onto the worker a block emptier). Under eviction pressure the worker
-# holding least has the most room, so a new session placed there evicts least of what other sessions' next turns
-# will hit: on simulated multi-turn chat at a tenth of the KV pool this took kv_aware from
-# 1.1-2.4 points below cache_aware to 1.1-3.3 above, at a lower TTFT p99
-# (benchmarks/kv_aware_sweep.py). While nothing is evicted, holdings count finished sessions
-# rather than live ones: applied then too, the rule lost 2.3 points at a quarter of the pool
-# (benchmarks/kv_aware_headroom.py). It needs per-worker holdings, which the in-memory index
-# has; an index that reports none (Redis, as the router reads it) leaves the score to decide.
-#
-# Lower tiers (issue 28). Tokens a worker can load rather than compute cost their load time in
-# prefill tokens, at the load-to-prefill ratio the worker reports for the tier they come from
-# (seconds to load a token over seconds to prefill one, the engine's running means of its own
-# timings: engine/load_meter.py; WorkerView.kv_load_ratio, kv_store_load_ratio). host(w): the
-# leading tokens it holds on device or in its host tier, as its KV events' `medium` announces
-# them (HostTier); store(w): those in a KV store every worker reads (Mooncake Store, as its
-# master's metadata says; TierSource). A prefix loads from the nearest tier holding it:
-#
-#     near = max(cached, host),  held = max(near, store)
-#     (P - held) + r_host(w) * (near - cached) + r_store(w) * (held - near)
-#
-# A worker that reports no host ratio is charged DEFAULT_LOAD_RATIO (see there); no store
-# ratio, the larger of that and its host ratio (a store load lands in the host tier and is
-# copied on from there: it never costs less than a host load). Llumnix counts a
-# store hit as a hit (ratio 0); with a ratio the device holder still wins a tie, and a worker
-# that can load a prefix cheaply takes it over a busier one that holds it on device. While a
-# source cannot answer (its service down) it counts for no worker: the score is the device's.
+# Placement while the fleet evicts, by the smallest footprint: eviction_placement.py.
+# Tokens a worker can load from a lower tier rather than compute: prefill_work.py.
 #
 # Both terms are tokens of prefill work. Llumnix adds them as they are (a hit worth exactly the
 # prefill it saves); here queued tokens weigh PENDING_WEIGHT (1/4), because a miss also copies
@@ -130,16 +96,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Hashable, Sequence
 
-from radixserve.router.kvindex.block_index import (
-    BlockIndex,
-    InMemoryIndex,
-    keys_by_size,
-    leading_held,
-)
+from radixserve.router.kvindex.block_index import BlockIndex, InMemoryIndex, keys_by_size
 from radixserve.router.kvindex.tiers import HostTier, TierSource
 from radixserve.router.policies.base import RequestView, RouterPolicy, WorkerView, healthy_indices
 from radixserve.router.policies.config import CachePolicyConfig
+from radixserve.router.policies.eviction_placement import EvictionPlacement
+from radixserve.router.policies.inflight import INFLIGHT_BLOCK, InFlightBlocks
 from radixserve.router.policies.pending import PendingPrefill
+from radixserve.router.policies.prefill_work import prefill_work, prompt_size, servable
 from radixserve.router.policies.shares import DispatchShares
 from radixserve.router.policies.tree import NODE_UNITS, MultiTenantTree
 from radixserve.router.policies.tree_keys import units
@@ -163,22 +127,6 @@ stays eligible over the load gates. On the Mooncake trace the first kept 0.7 poi
 the spill gave away at half the KV pool; the second 0.5 points at the default pool, where 4
 decisions of 3,993 had sent prompts of up to 40k tokens away from the worker holding them. Chat
 turns never reach it (a new user turn is more than 5% of the prompt)."""
-EVICTING_SECS = 2.0
-"""How long after a worker's last removal the fleet counts as evicting (see the header)."""
-HELD_PENDING_WEIGHT = 0.5
-HELD_QUEUE_SPAN = 8
-"""Placement by holdings skips workers whose queued prefill exceeds the shortest queue by more
-than this many prompts: on chat at a tenth of the pool, without it TTFT p99 rose above
-cache_aware's (1.45 s against 1.30 s); spans of 0.5-2 prompts gave back 0.7-2.2 of the 3.3
-points it gained there."""
-INFLIGHT_BLOCK = 16
-"""Block size for in-flight prompts on a worker whose events have not told one yet."""
-DEFAULT_LOAD_RATIO = 0.1
-"""Load-to-prefill ratio charged for a worker that reports none: issue 27's target for a store
-load (<= 0.1x the recompute time of a 2,000-token prefix). Not 0 (Llumnix's "a store hit is a
-hit"): then a worker holding the prefix on device and one that must fetch it would tie, and the
-fetch is never free; not larger: a guess above the target would send prefixes that are cheap to
-load back to recomputation."""
 
 
 class KvAwarePolicy(RouterPolicy):
@@ -210,7 +158,7 @@ class KvAwarePolicy(RouterPolicy):
         self._shares = DispatchShares()
         self._published: set[Hashable] = set()  # workers the index has ever known
         self._flight = InFlightBlocks()
-        self._removals: dict[Hashable, tuple[int, float]] = {}  # worker -> (count, seen at)
+        self._evictions = EvictionPlacement(self.index, self._pending, self._shares)
 
     # -- the decision ---------------------------------------------------------------------------
     def select(self, workers: Sequence[WorkerView], request: RequestView, now: float) -> int:
@@ -235,9 +183,9 @@ class KvAwarePolicy(RouterPolicy):
         eligible = [i for i in healthy if i in gated or i in keeps]
         self._shares.observe([workers[i].id for i in eligible])
         ids = [workers[i].id for i in eligible]
-        evicting = [self._evicting(w, now) for w in ids]  # dates every change it sees
+        evicting = [self._evictions.evicting(w, now) for w in ids]  # dates every change it sees
         if len(ids) > 1 and any(evicting):
-            placed = self._place_while_evicting(workers, eligible, cached, size)
+            placed = self._evictions.place(workers, eligible, cached, size)
             if placed is not None:
                 return placed
             small = False  # a small hold counts while the fleet evicts (see the header)
@@ -302,48 +250,6 @@ class KvAwarePolicy(RouterPolicy):
         )
         return 0 < best <= self.config.cache_threshold * size
 
-    def _place_while_evicting(
-        self,
-        workers: Sequence[WorkerView],
-        eligible: list[int],
-        cached: dict[Hashable, int],
-        size: int,
-    ) -> int | None:
-        """The worker with the smallest footprint, for a request all eligible workers hold
-        equally and partly (the fleet evicts); None to leave it to the score."""
-        ids = [workers[i].id for i in eligible]
-        levels = {cached.get(w, 0) for w in ids}
-        if len(levels) != 1 or not levels.pop():
-            return None
-        held = self.index.blocks()
-        if any(w not in held for w in ids):
-            return None  # a worker the index does not know: its holdings are a guess
-        queues = {i: self.pending(workers[i]) for i in eligible}
-        limit = min(queues.values()) + HELD_QUEUE_SPAN * size
-
-        def footprint(i: int) -> float:
-            tokens = held[workers[i].id] * (self.index.block_size(workers[i].id) or INFLIGHT_BLOCK)
-            return tokens + HELD_PENDING_WEIGHT * queues[i]
-
-        within = {i: footprint(i) for i in eligible if queues[i] <= limit}
-        # Footprints within one prompt of the smallest are equal here: a worker whose cache is
-        # full (vLLM's always is, once warm) holds its capacity give or take a block, so the
-        # difference says nothing about room. Among those, the worker sent fewest requests
-        # lately, as the score breaks ties; else sessions piled onto whichever held a block less.
-        least = min(within.values())
-        return min(
-            (i for i, f in within.items() if f <= least + size),
-            key=lambda i: (self._shares.count(workers[i].id), workers[i].load, within[i]),
-        )
-
-    def _evicting(self, worker: Hashable, now: float) -> bool:
-        """Whether `worker` removed blocks within EVICTING_SECS of `now`."""
-        count = self.index.removed_blocks(worker)
-        seen = self._removals.get(worker)
-        if seen is None or seen[0] != count:
-            seen = self._removals[worker] = (count, now if count or seen else -math.inf)
-        return now - seen[1] < EVICTING_SECS
-
     def pending(self, worker: WorkerView) -> int:
         """Prefill tokens `worker` has yet to compute, as far as the router knows."""
         return self._pending.tokens(worker)
@@ -388,7 +294,7 @@ class KvAwarePolicy(RouterPolicy):
         self._pending.forget(worker_id)
         self._flight.forget(worker_id)
         self._shares.forget(worker_id)
-        self._removals.pop(worker_id, None)
+        self._evictions.forget(worker_id)
 
     def loadable_tokens(
         self, workers: Sequence[WorkerView], among: Sequence[int], request: RequestView, size: int
@@ -475,78 +381,3 @@ class KvAwarePolicy(RouterPolicy):
             keys_for = keys_by_size(request.token_ids or (), request.kv_namespace)
             self._keys = (request, keys_for)
         return keys_for
-
-
-class InFlightBlocks:
-    """Per worker, the block keys of prompts dispatched to it and not yet complete: held (or
-    about to be) whatever the index says, since a running request's KV cannot be evicted."""
-
-    def __init__(self) -> None:
-        self._counts: dict[Hashable, dict[int, int]] = {}
-        self._sizes: dict[Hashable, int] = {}
-        self._requests: dict[Hashable, dict[int, list[int]]] = {}
-
-    def add(self, worker: Hashable, request: int, block_size: int, keys: list[int]) -> None:
-        if self._sizes.setdefault(worker, block_size) != block_size:
-            return  # the worker's block size changed under in-flight prompts: skip this one
-        self._requests.setdefault(worker, {})[request] = keys
-        counts = self._counts.setdefault(worker, {})
-        for k in keys:
-            counts[k] = counts.get(k, 0) + 1
-
-    def remove(self, worker: Hashable, request: int) -> None:
-        keys = self._requests.get(worker, {}).pop(request, None)
-        if keys is None:
-            return
-        counts = self._counts[worker]
-        for k in keys:
-            if counts[k] == 1:
-                del counts[k]
-            else:
-                counts[k] -= 1
-        if not self._requests[worker]:
-            self.forget(worker)
-
-    def forget(self, worker: Hashable) -> None:
-        for table in (self._counts, self._sizes, self._requests):
-            table.pop(worker, None)
-
-    def block_size(self, worker: Hashable) -> int | None:
-        return self._sizes.get(worker)
-
-    def leading_held(self, worker: Hashable, keys: Sequence[int]) -> int:
-        """Leading keys of `keys` some in-flight prompt on `worker` shares."""
-        return leading_held(keys, self._counts.get(worker, {}))
-
-
-def prefill_work(
-    size: int,
-    cached: int,
-    loadable: int,
-    ratio: float | None,
-    store: int = 0,
-    store_ratio: float | None = None,
-) -> float:
-    """A worker's prefill work for a prompt of ``size`` tokens, in tokens: what it must compute,
-    plus what it loads from its host tier (``loadable``: leading tokens on device or there)
-    weighed by ``ratio`` (None: DEFAULT_LOAD_RATIO) and what only a store holds (``store``)
-    weighed by ``store_ratio`` (None: the larger of the default and the host's); device-cached
-    tokens cost nothing."""
-    cached = min(cached, size)
-    near = min(max(cached, loadable), size)
-    held = min(max(near, store), size)
-    host_ratio = DEFAULT_LOAD_RATIO if ratio is None else ratio
-    far_ratio = max(DEFAULT_LOAD_RATIO, host_ratio) if store_ratio is None else store_ratio
-    return size - held + host_ratio * (near - cached) + far_ratio * (held - near)
-
-
-def servable(size: int, block_size: int) -> int:
-    """The most of a prompt of ``size`` tokens a worker caching whole blocks of ``block_size``
-    can serve from cache: its full blocks before the last token, which the engine always
-    computes (vLLM caps a hit at size - 1 tokens, block-aligned; so does our scheduler)."""
-    return max(0, (size - 1) // block_size * block_size)
-
-
-def prompt_size(request: RequestView) -> int:
-    """Prompt length in tokens (key units when the router has no token ids)."""
-    return len(request.token_ids) if request.token_ids is not None else units(request.key)
