@@ -10,7 +10,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
-from operator import add, floordiv, mul
+from operator import floordiv
 
 from radixserve.cache.tokens import SLOT_CODE
 
@@ -54,6 +54,10 @@ class SlotAllocator:
         # built from a range (an int object per id), and a freed run is checked against it
         # with bytearray.startswith (a memcmp, no copy of either side)
         self._iota = bytearray()
+        # at page size > 1, the bytes of each page's slots (page i: its p ids), cut from the
+        # iota once: a scattered list of pages (freed leaves come back scattered) gathers its
+        # slots in one C-level join, and a free of scattered pages checks them the same way
+        self._page_bytes: list[bytes] = []
 
     def available(self) -> int:
         """Free token slots (whole pages)."""
@@ -103,8 +107,17 @@ class SlotAllocator:
 
     def _iota_to(self, n: int) -> None:
         have = len(self._iota) // _W
-        if have < n:  # once per slot ever handed out
-            self._iota += array(SLOT_CODE, range(have, n)).tobytes()
+        if have >= n:
+            return
+        # grown at least twofold (up to the pool): a pool filled a few pages at a time (the
+        # host tier) builds its ids in a few calls, not one per allocation
+        n = max(n, min(2 * have, self.num_pages * self.page_size))
+        self._iota += array(SLOT_CODE, range(have, n)).tobytes()
+        p = self.page_size
+        if p > 1:
+            size, pb = p * _W, self._page_bytes
+            with memoryview(self._iota) as view:
+                pb += [view[i : i + size].tobytes() for i in range(len(pb) * size, n * _W, size)]
 
     def _ids(self, lo: int, hi: int) -> array:
         """The ids lo, lo + 1, ..., hi - 1 (all below what ``_iota_to`` made), as an array."""
@@ -122,11 +135,8 @@ class SlotAllocator:
         lo, k = pages[0], len(pages)
         if pages[-1] == lo + k - 1 and (k <= 2 or self._ids(lo, lo + k) == pages):
             return self._ids(lo * p, lo * p + n)
-        size = p * _W
-        starts = list(map(mul, pages, repeat(size)))
-        cuts = map(slice, starts, map(add, starts, repeat(size)))
         out = array(SLOT_CODE)
-        out.frombytes(b"".join(map(self._iota.__getitem__, cuts)))
+        out.frombytes(b"".join(map(self._page_bytes.__getitem__, pages)))
         del out[n:]
         return out
 

@@ -19,10 +19,10 @@ from radixserve.sched.running import RunningSet
 def run_length(
     running: RunningSet, num_waiting: int, kv: KVManager, eos_token_ids: frozenset[int]
 ) -> int:
-    """Decode steps that ``step()`` would take back to back, each on the same requests, with
-    no request finishing (the step that finishes one is left to ``step()``) and without
-    retraction. 0 when anything else is waiting, being prefilled or may stop early (a stop
-    token, or EOS without ``ignore_eos``)."""
+    """Decode steps that ``step()`` would take back to back, each on the same requests,
+    without retraction, up to and including the first step that finishes a request (at its
+    max_new_tokens: ``apply_run``'s caller ends it). 0 when anything else is waiting, being
+    prefilled or may stop early (a stop token, or EOS without ``ignore_eos``)."""
     if running.chunked is not None or num_waiting or not running.decoding:
         return 0
     left = None
@@ -34,7 +34,7 @@ def run_length(
         left = n if left is None or n < left else left
     # a step retracts only when the free slots and all that eviction can free fall short of
     # its new pages, so the run is as long as the pages of its steps fit in kv.room()
-    hi = left - 1  # type: ignore[operator]
+    hi = left  # type: ignore[assignment]
     if kv.allocator.available() >= len(running.decoding) * (hi + kv.page):
         return max(hi, 0)  # free slots alone hold every page the run can take
     rooms, room = page_rooms(running, kv), kv.room()

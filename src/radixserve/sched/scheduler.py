@@ -286,15 +286,24 @@ class Scheduler:
         self.run_evictions += self._run.begin(steps)
         return self._run.next_step()
 
-    def advance_decodes(self, tokens: Sequence[Sequence[int]]) -> None:
+    def advance_decodes(self, tokens: Sequence[Sequence[int]]) -> list[str]:
         """Take ``len(tokens[0])`` decode steps at once (the booked run's first ones, if one
         is booked), as ``step()`` and ``on_output()`` would one by one; ``tokens[i]``: the
-        next tokens of ``running.decoding``'s i-th request."""
+        next tokens of ``running.decoding``'s i-th request. Returns the requests the last
+        step finished (ended, in batch order, as ``on_output`` ends them)."""
         if self._run is not None:
             self.run_evictions += self._run.begin(len(tokens[0]))
             self._run = None
         self._step_id += apply_run(self.running, self.kv, tokens)
         self._last_chunk = False
+        done = [
+            (req.rid, reason)
+            for req in self.running.decoding.values()
+            if (reason := self._stop_reason(req, req.output_ids[-1])) is not None
+        ]
+        for rid, reason in done:
+            self._end(rid, ReqState.FINISHED, reason)
+        return [rid for rid, _ in done]
 
     # -- prefill -----------------------------------------------------------------------------
     def _decode_turn(self) -> bool:

@@ -29,7 +29,9 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import reduce
 from itertools import accumulate
+from operator import add
 
 from tqdm import tqdm
 
@@ -584,15 +586,18 @@ class ClusterSim:
         eng.run = None
         self._evicting.pop(eng.idx, None)
         load, steps = eng.load, len(run.durations)
-        for d in run.durations:
-            load.busy_s += d  # summed in step order, as one step at a time does
+        load.busy_s = reduce(add, run.durations, load.busy_s)  # in step order, as single steps
         load.steps += steps
         reqs = eng.sched.running.decoding.values()
         lasts = [r.output_ids[-1] for r in reqs]
         tokens = eng.runner.decode_tokens(lasts, [r.kv_len for r in reqs], steps)
         self.tbt.run(list(eng.sched.running.decoding), run.ends)
-        eng.sched.advance_decodes(tokens)
+        done = eng.sched.advance_decodes(tokens)
         self.run_counts["steps"] += steps
+        for rid in done:  # the run's last step finished them, as on_output would
+            self._finish(rid)
+        if done:
+            self._bar.update(len(done))
         self._step(eng)
 
     def _complete(self, eng: _Engine) -> None:
