@@ -16,6 +16,7 @@ from typing import Any
 
 from radixserve.cache.node import TreeNode
 from radixserve.cache.tiers import HostTier
+from radixserve.cache.tokens import common_len
 
 
 class HostTreeMixin:
@@ -143,14 +144,11 @@ class HostTreeMixin:
             child = node.children.get(self._child_key(tokens, pos))  # type: ignore[attr-defined]
             if child is None or child.value is not None:
                 break
-            key = child.key
-            n = min(len(key), end - pos)
-            if key[:n].tolist() != list(tokens[pos : pos + n]):
-                n = next(i for i, (a, b) in enumerate(zip(key, tokens[pos : pos + n])) if a != b)
+            n = _common(child.key, tokens, pos, end)
             n -= n % page
             if not n:
                 break
-            if n < len(key):
+            if n < len(child.key):
                 child = self._split(child, n)  # type: ignore[attr-defined]
             child.last_access = tick
             chain.append(child)
@@ -197,13 +195,18 @@ class HostTreeMixin:
             listener.on_insert(node)
 
     # -- pages from a lower tier (the storage tier's prefetch) ------------------------------------
-    def cached_len(self, tokens: Sequence[int], namespace: Any = None) -> int:
+    def cached_len(
+        self,
+        tokens: Sequence[int],
+        namespace: Any = None,
+        start: tuple[TreeNode, int] | None = None,
+    ) -> int:
         """Leading tokens of ``tokens`` (whole pages) held in either tier; read only: no split,
-        no access recorded (the storage tier asks this before it looks further)."""
+        no access recorded (the storage tier asks this before it looks further). ``start``: a
+        node that ``tokens`` reach whole, and its depth (a match just made), to walk on from."""
         page = self.page_size  # type: ignore[attr-defined]
         end = len(tokens) - len(tokens) % page
-        node = self.root.children.get(namespace)  # type: ignore[attr-defined]
-        pos = 0
+        node, pos = start or (self.root.children.get(namespace), 0)  # type: ignore[attr-defined]
         while node is not None and pos < end:
             child = node.children.get(self._child_key(tokens, pos))  # type: ignore[attr-defined]
             if child is None:
@@ -321,6 +324,8 @@ class HostTreeMixin:
 def _common(key: array, tokens: Sequence[int], pos: int, end: int) -> int:
     """How many of ``key``'s tokens equal ``tokens[pos:end]``'s, from the start."""
     n = min(len(key), end - pos)
+    if type(tokens) is array and tokens.typecode == key.typecode:  # compared in C
+        return n if key[:n] == tokens[pos : pos + n] else common_len(key, tokens, pos, pos + n)
     if key[:n].tolist() == list(tokens[pos : pos + n]):
         return n
     return next(i for i, (a, b) in enumerate(zip(key, tokens[pos : pos + n])) if a != b)

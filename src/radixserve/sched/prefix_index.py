@@ -113,7 +113,8 @@ class PrefixIndex:
         ordering hint for LPM, refreshed whenever the device match moves."""
         if getattr(self.cache, "host", None) is None:
             return 0
-        held = self.cache.cached_len(req.fill_ids(), req.namespace)
+        # from the device match: the walk down to it was just made
+        held = self.cache.cached_len(req.fill_ids(), req.namespace, (req.match_node, req.match_len))
         return max(0, min(held, self._cap(req)) - req.prefix_len)
 
     def _unplace(self, req: Req) -> None:

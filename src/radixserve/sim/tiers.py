@@ -136,20 +136,21 @@ class SimStore:
     def write(self, keys: Sequence[int]) -> None:
         """Put ``keys``' blocks (those already held are only touched), then evict to capacity."""
         lru = self._lru
-        new = sum(1 for k in keys if k not in lru)
-        self.written += new
-        self._touch(keys)
+        self.written += self._touch(keys)
         while len(lru) > self.capacity:
             lru.popitem(last=False)
             self.evicted += 1
 
-    def _touch(self, keys: Sequence[int]) -> None:
-        lru = self._lru
+    def _touch(self, keys: Sequence[int]) -> int:
+        """Make ``keys`` the most recently used, adding those not held; returns how many were
+        added (chained keys are distinct, so none is counted twice)."""
+        lru, held, move = self._lru, len(self._lru), self._lru.move_to_end
         for k in reversed(keys):  # the chain's first block ends most recent: evicted last
             if k in lru:
-                lru.move_to_end(k)
+                move(k)
             else:
                 lru[k] = None
+        return len(lru) - held
 
     def check(self) -> None:
         """The store never holds more than its capacity; every block read was written."""
