@@ -16,6 +16,7 @@ from radixserve.cache.tokens import SLOT_CODE
 
 _W = array(SLOT_CODE).itemsize  # bytes per slot id
 MARK_PIECE = 32  # pages below which _mark sets flags one by one rather than look for runs
+IOTA_MIN_GROWTH = 4096  # slot ids added to the iota at least at a time
 
 
 class SlotError(RuntimeError):
@@ -55,8 +56,7 @@ class SlotAllocator:
         # with bytearray.startswith (a memcmp, no copy of either side)
         self._iota = bytearray()
         # at page size > 1, the bytes of each page's slots (page i: its p ids), cut from the
-        # iota once: a scattered list of pages (freed leaves come back scattered) gathers its
-        # slots in one C-level join, and a free of scattered pages checks them the same way
+        # iota once when scattered pages are first gathered (freed leaves come back scattered)
         self._page_bytes: list[bytes] = []
 
     def available(self) -> int:
@@ -107,17 +107,23 @@ class SlotAllocator:
 
     def _iota_to(self, n: int) -> None:
         have = len(self._iota) // _W
-        if have >= n:
-            return
-        # grown at least twofold (up to the pool): a pool filled a few pages at a time (the
-        # host tier) builds its ids in a few calls, not one per allocation
-        n = max(n, min(2 * have, self.num_pages * self.page_size))
-        self._iota += array(SLOT_CODE, range(have, n)).tobytes()
-        p = self.page_size
-        if p > 1:
-            size, pb = p * _W, self._page_bytes
+        if have < n:  # grown by an eighth at least: a pool filled a few pages at a time (the
+            # host tier) builds its ids in a few dozen calls, not one per allocation
+            n = min(max(n, have + (have >> 3) + IOTA_MIN_GROWTH), self.num_pages * self.page_size)
+            self._iota += array(SLOT_CODE, range(have, n)).tobytes()
+
+    def _gather(self, pages: array, n: int) -> array:
+        """The first ``n`` slots of scattered ``pages``: each page's bytes are cut from the ids
+        once (for the pages handed out so far), then joined in one C-level pass."""
+        pb, size = self._page_bytes, self.page_size * _W
+        if len(pb) < self._fresh:
             with memoryview(self._iota) as view:
-                pb += [view[i : i + size].tobytes() for i in range(len(pb) * size, n * _W, size)]
+                cut = range(len(pb) * size, self._fresh * size, size)
+                pb += [view[i : i + size].tobytes() for i in cut]
+        out = array(SLOT_CODE)
+        out.frombytes(b"".join(map(pb.__getitem__, pages)))
+        del out[n:]
+        return out
 
     def _ids(self, lo: int, hi: int) -> array:
         """The ids lo, lo + 1, ..., hi - 1 (all below what ``_iota_to`` made), as an array."""
@@ -135,10 +141,7 @@ class SlotAllocator:
         lo, k = pages[0], len(pages)
         if pages[-1] == lo + k - 1 and (k <= 2 or self._ids(lo, lo + k) == pages):
             return self._ids(lo * p, lo * p + n)
-        out = array(SLOT_CODE)
-        out.frombytes(b"".join(map(self._page_bytes.__getitem__, pages)))
-        del out[n:]
-        return out
+        return self._gather(pages, n)
 
     def _mark(self, pages: array, flag: int) -> None:
         """Set the in-use flag of ``pages``: one slice per ascending run of them (found by
