@@ -77,7 +77,9 @@ def test_runs_that_evict_from_a_full_pool_give_the_same_results(
 
 
 class _Watched(ClusterSim):
-    """Notes every engine's tree size each time a request is dispatched."""
+    """Notes the tree sizes of the engines whose trees a dispatch reads, each time a request is
+    dispatched: every engine's under kv_aware (its index follows them all), else the engine
+    the request went to (the request is matched there)."""
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
@@ -85,15 +87,21 @@ class _Watched(ClusterSim):
 
     def _dispatch(self, i: int) -> None:
         super()._dispatch(i)
-        self.seen.append([e.sched.cache.total_size() for e in self.engines])
+        live = self._live.get(self._reqs[i].rid)  # None: refused (too long for the pool)
+        engines = self.engines if self._feed is not None or live is None else [live[1]]
+        self.seen.append([e.sched.cache.total_size() for e in engines])
 
 
-def test_a_dispatch_during_a_run_finds_the_trees_single_steps_leave(mooncake_trace: Path) -> None:
-    # the router (kv_aware's index, a store lookup) reads the engines' trees at dispatch: the
-    # evictions of the run's steps begun by then are made, those of later steps are not yet
+@pytest.mark.parametrize("router", ["cache_aware", "kv_aware"])
+def test_a_dispatch_during_a_run_finds_the_trees_single_steps_leave(
+    mooncake_trace: Path, router: str
+) -> None:
+    # a dispatch reads trees (kv_aware's index, the chosen engine's match, a store lookup's):
+    # the evictions of the run's steps begun by then are made, those of later steps are not yet
     reqs = trace_replay(TraceConfig(path=str(mooncake_trace), block_tokens=16, limit=300))
     cache = CacheConfig(page_size=16, max_total_tokens=4_000)
-    sims = [_Watched(ClusterConfig(engines=4, decode_runs=f), None, cache) for f in (True, False)]
+    config = [ClusterConfig(engines=4, router=router, decode_runs=f) for f in (True, False)]
+    sims = [_Watched(c, None, cache) for c in config]
     for sim in sims:
         sim.run(reqs, block_tokens=16)
     assert sims[0].run_counts["evicting"] > 0

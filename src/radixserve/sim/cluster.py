@@ -336,7 +336,7 @@ class ClusterSim:
         self._dispatch(i)
 
     def _dispatch(self, i: int) -> None:
-        if self._evicting:
+        if self._evicting and self._feed is not None:  # kv_aware reads every engine's tree
             self._begin_steps()
         w, now = self._reqs[i], self.now
         view = RequestView.from_prompt(input_ids=w.input_ids)
@@ -347,6 +347,8 @@ class ClusterSim:
             self._views = [e.reported_view(now) for e in self.engines]
         pick = self.policy.select(self._views, view, now)
         eng = self.engines[pick]
+        if eng.idx in self._evicting:
+            self._begin_steps_of(eng)
         self.policy.on_dispatch(eng.idx, view, now)
         req = Req(w.rid, w.input_ids, self._params(w.output_len), arrival_time=now)
         wait = self._plan_load(eng, req, held) if held else None
@@ -561,14 +563,19 @@ class ClusterSim:
             self._evicting[eng.idx] = run.ends[step - 2]  # step 1 began with the run
 
     def _begin_steps(self) -> None:
-        """Before the tree of an engine in a run is read (a dispatch: the router's KV index,
-        a store lookup's match): make the evictions of the steps that have begun by now."""
-        now = self.now
-        for idx, at in list(self._evicting.items()):
-            if at < now:  # at equal times a step's start (the previous one's end) comes later
-                eng = self.engines[idx]
-                begun = bisect.bisect_left(eng.run.ends, now) + 1  # type: ignore[union-attr]
-                self._next_eviction(eng, eng.sched.decode_run_begun(begun))
+        """Before the trees of the engines in runs are read (a dispatch by the router's KV
+        index): make the evictions of the steps that have begun by now."""
+        for idx in list(self._evicting):
+            self._begin_steps_of(self.engines[idx])
+
+    def _begin_steps_of(self, eng: _Engine) -> None:
+        """Before ``eng``'s tree is read (the request dispatched to it is matched there, or a
+        store lookup's match): make the evictions of its run's steps begun by now. A tree no
+        one reads can wait: nothing else touches it until the run ends, which makes them."""
+        at = self._evicting.get(eng.idx)
+        if at is not None and at < self.now:  # at equal times a step's start comes later
+            begun = bisect.bisect_left(eng.run.ends, self.now) + 1  # type: ignore[union-attr]
+            self._next_eviction(eng, eng.sched.decode_run_begun(begun))
 
     def _cut(self, eng: _Engine, run: _DecodeRun) -> None:
         """A request came in during a run: it ends with the step in flight (the first one
