@@ -265,7 +265,8 @@ class Scheduler:
     # -- runs of pure decode steps (the simulator's fast path) -------------------------------
     def decode_run_length(self) -> int:
         """Pure decode steps ``step()`` would take next, one after another, if no request came
-        in meanwhile: none finishes a request or retracts (see ``decode_run``)."""
+        in meanwhile: none retracts, and the last may finish requests (``advance_decodes``
+        ends them; see ``decode_run``)."""
         if self._in_flight is not None or self._run is not None:
             return 0
         return run_length(self.running, len(self.policy), self.kv, self.eos_token_ids)

@@ -5,9 +5,10 @@ SimRunner) behind one router policy, on a virtual clock. Owns the event loop and
 # step completions, then wake-ups of idle engines, so that requests arriving together are
 # batched together. An engine steps as soon as it has work: step() -> SimRunner.run() gives the
 # batch and its duration; the batch's on_output() runs when the virtual clock reaches its end.
-# With ``decode_runs``, an engine whose next steps are pure decodes (nothing waiting, nobody
-# finishing, KV free) books the whole run as one event; a request dispatched to it meanwhile
-# cuts the run after the step in flight, so the result is exactly that of stepping one by one.
+# With ``decode_runs``, an engine whose next steps are pure decodes (nothing waiting, KV free)
+# books the whole run, up to the step that finishes a request, as one event; a request
+# dispatched to it meanwhile cuts the run after the step in flight, so the result is exactly
+# that of stepping one by one.
 # The router sees what a real proxy sees: each worker's in-flight requests and prompt tokens,
 # and the prompt's token ids (its own approximate tree for cache_aware).
 # Lower tiers (sim/tiers.py): with --enable-hierarchical-cache each engine's scheduler keeps its
