@@ -43,7 +43,8 @@ def measure(reps: int) -> dict:
     import radixserve
     from radixserve.cache.hashing import KVNamespace
     from radixserve.config import CacheConfig
-    from radixserve.engine.storage_tier import StorageSettings, StorageTier
+    from radixserve.engine.storage_settings import StorageSettings
+    from radixserve.engine.storage_tier import StorageTier
     from radixserve.model.host_pool import HostKVPool
     from radixserve.model.kv_pool import KVPool
     from radixserve.sched.kv import KVManager

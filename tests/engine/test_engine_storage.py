@@ -220,7 +220,7 @@ def test_bad_storage_flags_are_one_line_errors(args: list[str], says: str) -> No
 
 
 def test_prefetch_timeout_is_sglangs() -> None:
-    from radixserve.engine.storage_tier import prefetch_timeout_s
+    from radixserve.engine.storage_settings import prefetch_timeout_s
 
     assert prefetch_timeout_s(0) == 2.0
     assert prefetch_timeout_s(2048) == pytest.approx(2.2)
@@ -228,7 +228,7 @@ def test_prefetch_timeout_is_sglangs() -> None:
 
 
 def test_models_that_share_a_name_do_not_share_a_namespace(model_dir, tmp_path) -> None:
-    from radixserve.engine.storage_tier import weights_identity
+    from radixserve.engine.storage_settings import weights_identity
 
     other = build_tiny_model("llama3", tmp_path / "other", seed=1)  # same name, other weights
     assert weights_identity(model_dir) == weights_identity(model_dir)

@@ -17,7 +17,8 @@ torch = pytest.importorskip("torch")
 
 from radixserve.cache.hashing import KVNamespace  # noqa: E402
 from radixserve.config import CacheConfig  # noqa: E402
-from radixserve.engine.storage_tier import StorageSettings, StorageTier  # noqa: E402
+from radixserve.engine.storage_settings import StorageSettings  # noqa: E402
+from radixserve.engine.storage_tier import StorageTier  # noqa: E402
 from radixserve.model.host_pool import HostKVPool  # noqa: E402
 from radixserve.model.kv_pool import KVPool  # noqa: E402
 from radixserve.sched.kv import KVManager  # noqa: E402

@@ -76,11 +76,11 @@ class EngineConfig:
             raise ValueError("--tp-size > 1 with --disaggregation-mode is not supported")
 
     def storage_settings(self) -> Any:
-        """The storage tier's settings (engine.storage_tier.StorageSettings), or None."""
+        """The storage tier's settings (engine.storage_settings.StorageSettings), or None."""
         c = self.cache
         if c.hicache_storage_backend is None:
             return None
-        from radixserve.engine.storage_tier import StorageSettings
+        from radixserve.engine.storage_settings import StorageSettings
 
         s = StorageSettings.parse(c.hicache_storage_backend,
                                   c.hicache_storage_backend_extra_config,

@@ -404,7 +404,8 @@ def _storage_tier(
     share keys (two fine-tunes of one name do not). At --tp-size N the layout is one rank's
     (its KV heads) and each rank's keys name its heads; every rank opens its part here."""
     from radixserve.cache.hashing import KVNamespace
-    from radixserve.engine.storage_tier import StorageTier, weights_identity
+    from radixserve.engine.storage_settings import weights_identity
+    from radixserve.engine.storage_tier import StorageTier
     from radixserve.kvstore.storage import head_part
     from radixserve.modelfiles.locate import resolve_model_dir
 

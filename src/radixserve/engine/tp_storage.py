@@ -36,7 +36,7 @@ COUNTS = ("pages_written", "bytes_written", "pages_read", "bytes_read")
 class RankStorageArgs:
     """What rank 0 opens every rank's storage tier with (its settings and namespace digest)."""
 
-    settings: Any  # engine.storage_tier.StorageSettings
+    settings: Any  # engine.storage_settings.StorageSettings
     digest: str
 
 
