@@ -21,9 +21,10 @@ from radixserve.server.anthropic_protocol import (
     stop_reason,
     usage,
 )
+from radixserve.server.body_fields import check_supported
 from radixserve.server.chat_output import ChatOutput
 from radixserve.server.errors import ApiError
-from radixserve.server.protocol import ChatCompletionRequest, check_supported
+from radixserve.server.protocol import ChatCompletionRequest
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOL = {"name": "get_weather", "description": "The weather in a city", "input_schema": WEATHER}

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from radixserve.server import anthropic_protocol as ap
-from radixserve.server.protocol import refused
+from radixserve.server.body_fields import refused
 from server_harness import ServerProcess
 
 anthropic = pytest.importorskip("anthropic")

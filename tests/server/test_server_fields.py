@@ -3,7 +3,7 @@ completions, SGLang's /generate and its sampling_params, a chat message) is eith
 with a check here that fails if the server ignored it, or refused with a 400 naming it.
 
 The fields are read from the models themselves, so a field added later fails this test until
-it is refused (declared with ``protocol.unsupported``) or given a check in HONOURED. To honour
+it is refused (declared with ``body_fields.unsupported``) or given a check in HONOURED. To honour
 a refused field: give it a real type in server/protocol.py, use it, and add its check here.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from field_checks_sampling import make_checks
-from radixserve.server import protocol
+from radixserve.server import body_fields, protocol
 from server_harness import assert_error_body
 
 PROMPT = "the quick brown fox jumps over the lazy dog and"
@@ -402,7 +402,7 @@ FIELDS = [(model, name) for model in ROUTES for name in model.model_fields]
                          ids=[f"{m.__name__}.{f}" for m, f in FIELDS])  # fmt: skip
 def test_every_field_is_honoured_or_refused(tiny_server, model, field):
     route = ROUTES[model]
-    why = protocol.refused(model).get(field)
+    why = body_fields.refused(model).get(field)
     if why is not None:
         reply = tiny_server.post(route.path, route.body(**{field: REFUSED_SAMPLE}))
         err = assert_error_body(reply, 400)
@@ -413,7 +413,7 @@ def test_every_field_is_honoured_or_refused(tiny_server, model, field):
     else:
         assert field in HONOURED, (
             f"{model.__name__}.{field} is neither refused (declare it with "
-            "protocol.unsupported) nor honoured (add a check to HONOURED)"
+            "body_fields.unsupported) nor honoured (add a check to HONOURED)"
         )
         HONOURED[field](tiny_server, route)
 
@@ -421,7 +421,7 @@ def test_every_field_is_honoured_or_refused(tiny_server, model, field):
 def test_a_refused_field_at_its_default_is_accepted(tiny_server):
     """Clients send defaults (the openai client sends none, others send all): those pass."""
     for model, route in ROUTES.items():
-        for field in protocol.refused(model):
+        for field in body_fields.refused(model):
             default = model.model_fields[field].default
             reply = tiny_server.post(route.path, route.body(**{field: default}))
             assert reply.status == 200, (model.__name__, field, reply.body)

@@ -37,12 +37,8 @@ from radixserve.server.chat_io import (
 )
 from radixserve.server.chat_output import ChatOutput
 from radixserve.server.errors import ApiError
-from radixserve.server.protocol import (
-    ChatCompletionRequest,
-    bootstraps,
-    openapi_body,
-    scheduling_fields,
-)
+from radixserve.server.openapi_bodies import openapi_body
+from radixserve.server.protocol import ChatCompletionRequest, bootstraps, scheduling_fields
 from radixserve.server.responses import Choice, JSONBody
 from radixserve.server.routes import chat_input, stream_response
 from radixserve.server.state import ServerState, read_json

@@ -14,14 +14,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from radixserve.chat import anthropic_errors
 from radixserve.chat.anthropic import chat_messages, chat_tools
-from radixserve.server.errors import ApiError
-from radixserve.server.protocol import (
+from radixserve.server.body_fields import (
     BootstrapHost,
     BootstrapPort,
     BootstrapRoom,
     TopK,
     unsupported,
 )
+from radixserve.server.errors import ApiError
 
 _ALPHABET = string.ascii_letters + string.digits
 NO_MEDIA = "this server serves text-only models"

@@ -26,7 +26,7 @@ from radixserve.server.docs import RequestIdMiddleware, add_docs
 from radixserve.server.errors import ApiError, install_handlers
 from radixserve.server.kv_events_routes import kv_events_routes
 from radixserve.server.metrics import CONTENT_TYPE, stats_dict
-from radixserve.server.protocol import add_body_schemas
+from radixserve.server.openapi_bodies import add_body_schemas
 from radixserve.server.responses import JSONBody
 from radixserve.server.routes import inference_routes
 from radixserve.server.state import ServerState

@@ -11,15 +11,15 @@ from fastapi import APIRouter, Depends
 from starlette.requests import Request
 
 from radixserve.engine.tokenizer_manager import RequestError
-from radixserve.server.errors import ApiError
-from radixserve.server.protocol import (
+from radixserve.server.control_bodies import (
     AbortRequest,
     DetokenizeRequest,
     InternalState,
     SchedulerSettings,
     TokenizeRequest,
-    openapi_body,
 )
+from radixserve.server.errors import ApiError
+from radixserve.server.openapi_bodies import openapi_body
 from radixserve.server.routes import chat_input
 from radixserve.server.state import ServerState, read_json
 

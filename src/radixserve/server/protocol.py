@@ -1,22 +1,34 @@
-"""Request bodies of the OpenAI-compatible and SGLang-style endpoints, validated strictly (a
-string where a number belongs is a 400, not a guess), and their OpenAPI schema."""
+"""Request bodies of the OpenAI-compatible and SGLang-style generation endpoints (completions,
+chat with its tools, /generate) and what the server reads of a request besides its sampling:
+its cache namespace, scheduling fields and PD bootstrap. Shared field rules: body_fields.py."""
 
 from __future__ import annotations
 
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-from pydantic.json_schema import models_json_schema
+from pydantic import Field
 
+from radixserve.server.body_fields import (
+    MAX_TOP_LOGPROBS,
+    NO_GRAMMAR,
+    NO_LOGPROBS,
+    NO_LORA,
+    NO_MEDIA,
+    NO_TOOLS,
+    NOT_YET,
+    BootstrapHost,
+    BootstrapPort,
+    BootstrapRoom,
+    Priority,
+    RoutingKey,
+    SamplingFields,
+    StrictBody,
+    TokenIds,
+    unsupported,
+)
 from radixserve.server.errors import ApiError
-from radixserve.server.sampling_args import grammar_of, logit_bias_pairs
-
-# Bounded so that no value can overflow an int64 tensor in the model process.
-TokenId = Annotated[int, Field(ge=0, lt=2**31)]
-TokenIds = list[TokenId]
-TopK = Annotated[int, Field(ge=-1, lt=2**31)]
-Stop = str | list[str] | None
+from radixserve.server.sampling_args import grammar_of
 
 
 def cache_namespace(body: Any) -> str | None:
@@ -37,15 +49,7 @@ def scheduling_fields(body: Any) -> dict[str, Any]:
     }
 
 
-Priority = Annotated[int, Field(ge=-(2**31), lt=2**31)]
-RoutingKey = Annotated[str | None, Field(max_length=256)]
-Room = Annotated[int, Field(ge=0, lt=2**64)]
-Port = Annotated[int, Field(ge=1, le=65535)]
-BootstrapHost = str | list[str] | None
-BootstrapPort = Port | list[Port | None] | None
-BootstrapRoom = Room | list[Room] | None
 DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's, where a router sends none
-UNSUPPORTED = "unsupported"  # json_schema_extra key: why the server refuses the field
 
 
 def bootstraps(body: Any, count: int) -> list[tuple[str, int, int] | None]:
@@ -72,134 +76,25 @@ def _each(value: Any, count: int, name: str, nth: Any) -> list[Any]:
     return value
 
 
-def unsupported(why: str, default: Any = None, accept: tuple[Any, ...] = ()) -> Any:
-    """Declare a field of OpenAI's or SGLang's schema that this server does not honour: a
-    request that sets it to anything but ``default`` (or one of ``accept``) gets a 400 naming
-    it. Declaring it (rather than letting ``extra="ignore"`` drop it) is what keeps it from
-    being silently ignored; to honour it, give it a real type and use it."""
-    extra = {UNSUPPORTED: why, "accept": [default, *accept]}
-    return Field(default, json_schema_extra=extra)  # type: ignore[arg-type]
-
-
-def refused(model: type[BaseModel]) -> dict[str, str]:
-    """The fields of ``model`` declared with ``unsupported``: name -> why."""
-    return {
-        name: f.json_schema_extra[UNSUPPORTED]  # type: ignore[index]
-        for name, f in model.model_fields.items()
-        if isinstance(f.json_schema_extra, dict) and UNSUPPORTED in f.json_schema_extra
-    }
-
-
-def check_supported(body: BaseModel, prefix: str = "") -> None:
-    """Refuse (400 naming the field, with its dotted path) the first unsupported field that
-    ``body`` or a model nested in it sets to a value the server cannot honour."""
-    for name, f in type(body).model_fields.items():
-        value = getattr(body, name)
-        extra = f.json_schema_extra
-        if isinstance(extra, dict) and UNSUPPORTED in extra and not _accepted(value, extra):
-            raise ApiError(400, f"{prefix}{name} is not supported by this server: "
-                           f"{extra[UNSUPPORTED]}", "unsupported_parameter", prefix + name)  # fmt: skip
-        for i, item in enumerate(value if isinstance(value, list) else [value]):
-            if isinstance(item, BaseModel):
-                at = f"{prefix}{name}.{i}." if isinstance(value, list) else f"{prefix}{name}."
-                check_supported(item, at)
-
-
-def _accepted(value: Any, extra: dict[str, Any]) -> bool:
-    # 0 == False in Python; a JSON false is not the number 0 here
-    return any(value == a and isinstance(value, bool) == isinstance(a, bool)
-               for a in extra["accept"])  # fmt: skip
-
-
-NOT_YET = "not implemented yet"
-NO_GRAMMAR = "structured output (a grammar engine) is not implemented yet"
-NO_LOGPROBS = "log probabilities are not returned yet"
-NO_TOOLS = "the deprecated functions API is not served: send tools and tool_choice"
-NO_MEDIA = "this server serves text-only models"
-NO_LORA = "LoRA adapters are not supported by this server"
-
-
-Bias = Annotated[float, Field(ge=-100, le=100)]
-MAX_TOP_LOGPROBS = 20  # as vLLM's default --max-logprobs
-
-
-class _Body(BaseModel):
-    # Unknown fields are ignored (OpenAI clients send many we do not use); declared ones are
-    # checked without coercion, and NaN or infinite numbers are refused.
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
-
-
-class StreamOptions(_Body):
+class StreamOptions(StrictBody):
     include_usage: bool = False
 
 
-class _Sampling(_Body):
-    """The sampling fields every endpoint takes, under the same names and limits."""
-
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: TopK = -1
-    seed: int | None = None
-    stop: Stop = None
-    stop_token_ids: TokenIds | None = None
-    ignore_eos: bool = False
-    # SGLang's sampling params (also accepted by its and vLLM's OpenAI routes)
-    min_p: float = Field(0.0, ge=0, le=1)
-    presence_penalty: float = Field(0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    repetition_penalty: float = Field(1.0, gt=0)
-    logit_bias: dict[str, Bias] | None = None  # token id (as a JSON key) -> bias
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: Any = unsupported("special tokens are never shown", True)
-    no_stop_trim: bool = False
-    json_schema: str | None = None
-    regex: str | None = None
-    ebnf: Any = unsupported(NO_GRAMMAR)
-    structural_tag: Any = unsupported(NO_GRAMMAR)
-
-    def _seed(self) -> int | None:
-        return self.seed
-
-    def sampling(self, max_new_tokens: int | None) -> dict[str, Any]:
-        """Keyword arguments for ``sampling_from`` (SGLang's names)."""
-        return {
-            "max_new_tokens": max_new_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "seed": self._seed(),
-            "stop": self.stop or (),
-            "stop_token_ids": self.stop_token_ids or (),
-            "ignore_eos": self.ignore_eos,
-            "min_p": self.min_p,
-            "presence_penalty": self.presence_penalty,
-            "frequency_penalty": self.frequency_penalty,
-            "repetition_penalty": self.repetition_penalty,
-            "logit_bias": logit_bias_pairs(self.logit_bias),
-            "skip_special_tokens": self.skip_special_tokens,
-            "no_stop_trim": self.no_stop_trim,
-            "grammar": self._grammar(),
-        }
-
-    def _grammar(self) -> tuple[str, str] | None:
-        return grammar_of(json_schema=self.json_schema, regex=self.regex)
-
-
-class JsonSchemaFormat(_Body):
+class JsonSchemaFormat(StrictBody):
     name: str | None = None
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None  # the output always follows the schema, strict or not
 
 
-class ResponseFormat(_Body):
+class ResponseFormat(StrictBody):
     """OpenAI's ``response_format``: free text, any JSON object, or JSON that a schema allows."""
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class _OpenAISampling(_Sampling):
+class _OpenAISampling(SamplingFields):
     """Fields shared by /v1/completions and /v1/chat/completions (plus SGLang's extensions)."""
 
     model: str | None = None
@@ -274,17 +169,17 @@ class CompletionRequest(_OpenAISampling):
         return out
 
 
-class ContentPart(_Body):
+class ContentPart(StrictBody):
     type: str
     text: str | None = None
 
 
-class FunctionCall(_Body):
+class FunctionCall(StrictBody):
     name: str
     arguments: str = "{}"  # JSON text, as OpenAI sends it
 
 
-class ToolCallIn(_Body):
+class ToolCallIn(StrictBody):
     """A call in a past assistant message."""
 
     id: str | None = None
@@ -292,7 +187,7 @@ class ToolCallIn(_Body):
     function: FunctionCall
 
 
-class ChatMessage(_Body):
+class ChatMessage(StrictBody):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -309,23 +204,23 @@ class ChatMessage(_Body):
 ToolName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
 
 
-class FunctionDef(_Body):
+class FunctionDef(StrictBody):
     name: ToolName
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema
     strict: bool | None = None  # a forced call always follows the schema, strict or not
 
 
-class Tool(_Body):
+class Tool(StrictBody):
     type: Literal["function"]
     function: FunctionDef
 
 
-class NamedFunction(_Body):
+class NamedFunction(StrictBody):
     name: str
 
 
-class NamedToolChoice(_Body):
+class NamedToolChoice(StrictBody):
     type: Literal["function"]
     function: NamedFunction
 
@@ -374,7 +269,7 @@ class ChatCompletionRequest(_OpenAISampling):
         return out
 
 
-class GenerateSampling(_Sampling):
+class GenerateSampling(SamplingFields):
     """SGLang's ``sampling_params``; ``sampling_seed`` is SGLang's name for ``seed``."""
 
     max_new_tokens: int | None = Field(None, ge=0)  # 0: prefill (and cache) the prompt only
@@ -391,7 +286,7 @@ class GenerateSampling(_Sampling):
         return super().sampling(max_new_tokens) | {"min_new_tokens": self.min_new_tokens}
 
 
-class GenerateRequest(_Body):
+class GenerateRequest(StrictBody):
     """SGLang's /generate: one prompt (``text`` or ``input_ids``) or a batch of them."""
 
     text: str | list[str] | None = None
@@ -433,84 +328,3 @@ class GenerateRequest(_Body):
             return {}
         return {"return_logprob": True, "top_logprobs_num": self.top_logprobs_num,
                 "logprob_start_len": self.logprob_start_len}  # fmt: skip
-
-
-class TokenizeRequest(_Body):
-    """vLLM's /tokenize: a ``prompt``, or chat ``messages`` rendered by the chat template."""
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    return_token_strs: bool = False
-    chat_template: Any = unsupported("the model's own chat template is always used")
-    chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[Tool] | None = None
-
-
-class DetokenizeRequest(_Body):
-    model: str | None = None
-    tokens: TokenIds
-
-
-class SchedulerSettings(BaseModel):
-    """What /update_scheduler_settings may change on a running engine; only the fields a
-    request names change. Any other field is refused (400 naming it), never ignored."""
-
-    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
-    schedule_policy: str | None = None
-    max_wait_ms: float | None = Field(None, ge=0)  # None: unbounded (pure cache order)
-    enable_priority_scheduling: bool | None = None
-    priority_preemption_threshold: int | None = Field(None, ge=0)
-
-    def changes(self) -> dict[str, Any]:
-        out = {name: getattr(self, name) for name in self.model_fields_set}
-        for name in ("schedule_policy", "enable_priority_scheduling"):
-            if name in out and out[name] is None:
-                raise ApiError(400, f"{name} cannot be null", param=name)
-        return out
-
-
-class InternalState(_Body):
-    """SGLang's /set_internal_state body: the settings under ``server_args``."""
-
-    server_args: SchedulerSettings
-
-
-class AbortRequest(_Body):
-    """SGLang's /abort_request: one request by its rid, or every request."""
-
-    rid: str = ""
-    abort_all: bool = False
-
-
-BODIES: tuple[type[BaseModel], ...] = (
-    CompletionRequest,
-    ChatCompletionRequest,
-    GenerateRequest,
-    TokenizeRequest,
-    DetokenizeRequest,
-    AbortRequest,
-    InternalState,
-)
-
-
-def openapi_body(model: type[BaseModel]) -> dict[str, Any]:
-    """``openapi_extra`` for a route that reads and validates its JSON body itself."""
-    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
-
-
-def add_body_schemas(
-    openapi: dict[str, Any], more: tuple[type[BaseModel], ...] = ()
-) -> dict[str, Any]:
-    """Put the request bodies' JSON schemas (``BODIES`` and ``more``) into an OpenAPI
-    document's components."""
-    _, top = models_json_schema(
-        [(m, "validation") for m in BODIES + more], ref_template="#/components/schemas/{model}"
-    )
-    schemas = openapi.setdefault("components", {}).setdefault("schemas", {})
-    schemas.update(top.get("$defs", {}))
-    return openapi

@@ -28,17 +28,17 @@ from radixserve.server.chat_io import (
     render_inputs,
 )
 from radixserve.server.chat_output import ChatDeltas, ChatOutput
+from radixserve.server.control_bodies import TokenizeRequest
 from radixserve.server.errors import ApiError
 from radixserve.server.logprobs import generate_meta
+from radixserve.server.openapi_bodies import openapi_body
 from radixserve.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
     GenerateRequest,
     GenerateSampling,
-    TokenizeRequest,
     bootstraps,
-    openapi_body,
     scheduling_fields,
 )
 from radixserve.server.responses import DONE, Choice, Head, JSONBody, generate_body, sse

@@ -19,11 +19,11 @@ from radixserve.engine.launch import EngineProcesses
 from radixserve.engine.tokenizer_manager import GenerateInput, RequestError, TokenizerManager
 from radixserve.sched.policy import orders_by_priority
 from radixserve.sched.request import SamplingParams, needs_logits
+from radixserve.server.body_fields import check_supported
 from radixserve.server.chat_io import tool_parser_name
 from radixserve.server.config import ServerConfig
 from radixserve.server.errors import ApiError
 from radixserve.server.metrics import ServerMetrics
-from radixserve.server.protocol import check_supported
 from radixserve.server.streams import Generation
 
 M = TypeVar("M", bound=BaseModel)
