@@ -22,12 +22,19 @@ from vllm_harness import free_port  # noqa: E402
 
 
 class Router:
-    """`radixserve route --policy POLICY` or `smg launch --policy cache_aware` on a free port."""
+    """`radixserve route --policy POLICY` or `smg launch --policy cache_aware` on a free port;
+    with ``pd`` (prefill URL, its bootstrap port, decode URL) `radixserve route
+    --pd-disaggregation` in front of that pair instead of ``urls``."""
 
-    def __init__(self, policy: str, urls: list[str], smg: str) -> None:
+    def __init__(
+        self, policy: str, urls: list[str], smg: str = "", pd: tuple[str, int, str] | None = None
+    ) -> None:
         self.policy, port = policy, free_port()
         self.host, self.port, self.workers = "127.0.0.1", port, len(urls)
         common = ["--worker-urls", *urls, "--host", "127.0.0.1", "--port", str(port)]
+        if pd is not None:
+            common = ["--pd-disaggregation", "--prefill", pd[0], str(pd[1]), "--decode", pd[2],
+                      *common[len(urls) + 1 :]]  # fmt: skip
         if policy == "smg":
             metrics = ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
             cmd = [smg, "launch", *common, "--policy", "cache_aware", *metrics]

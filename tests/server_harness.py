@@ -45,9 +45,13 @@ class Reply:
 class ServerProcess:
     """One `python -m radixserve serve ... --port 0`; its output is kept for failure reports."""
 
-    def __init__(self, args: Sequence[str], start_timeout: float = START_TIMEOUT_S) -> None:
-        cmd = [sys.executable, "-m", "radixserve", "serve", "--port", "0", "--log-level",
-               "warning", *args]  # fmt: skip
+    def __init__(
+        self, args: Sequence[str], start_timeout: float = START_TIMEOUT_S,
+        prefix: Sequence[str] = (),
+    ) -> None:  # fmt: skip
+        """``prefix``: a command that execs the server (``taskset -c 0``: pinned to a core)."""
+        cmd = [*prefix, sys.executable, "-m", "radixserve", "serve", "--port", "0",
+               "--log-level", "warning", *args]  # fmt: skip
         # a temporary directory of its own, to see that the engine's IPC sockets are removed
         self.tmp = tempfile.TemporaryDirectory(prefix="radixserve-test-")
         env = {**os.environ, "TMPDIR": self.tmp.name}
