@@ -23,6 +23,7 @@ FIGURES = (
     "TBT p50",
     "TBT p99",
     "TBT max",
+    "longest gap p90",
     "TTFT p50",
     "TTFT p99",
     "long TTFT p50",
