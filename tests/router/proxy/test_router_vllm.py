@@ -495,12 +495,13 @@ def _post_via(addr: str, body: dict) -> tuple[int, bytes, dict]:
     return out
 
 
-def test_a_restarted_vllm_is_followed_again(vllm_pair, router):
+def test_a_restarted_vllm_is_followed_again(vllm_pair, router, tmp_path):
     """A vLLM server killed and started again on the same ports: the router drops what it
     expected there as soon as the event stream breaks, sends its traffic to the other worker
     meanwhile, expects no hit from the restarted (empty) cache, follows its new events, and
-    routes repeats to it again, which vLLM then serves from its cache. (Last in this module:
-    it costs one more vLLM start-up.)"""
+    routes repeats to it again, which vLLM then serves from its cache. The kill itself happens
+    under load through Envoy and the EPP. (Last in this module: it costs one more vLLM
+    start-up.)"""
     r = router("--policy", "kv_aware")
     wait_for(lambda: all(w.get("kv_events") for w in workers(r).values()), "both publishers")
     assert r.call("POST", "/flush_cache")[0] == 200
@@ -510,7 +511,7 @@ def test_a_restarted_vllm_is_followed_again(vllm_pair, router):
     other = next(s for s in vllm_pair if s is not holder)
     wait_for(lambda: r.metrics().get(f"kv_index_blocks@{holder.url}", 0) >= 8, "doc's blocks")
 
-    holder.stop()
+    _killed_behind_envoy_costs_no_request(vllm_pair, holder, doc, tmp_path)
     wait_for(lambda: r.metrics().get(f"kv_index_blocks@{holder.url}", 0) == 0,
              "the dead worker's entries dropped", timeout=15.0)  # fmt: skip
     wait_for(lambda: not workers(r)[holder.url]["healthy"], "the dead worker marked unhealthy")
@@ -540,3 +541,40 @@ def test_a_restarted_vllm_is_followed_again(vllm_pair, router):
         assert complete(r, document("eta")) == holder.url
     wait_for(lambda: r.metrics().get(f"kv_index_blocks@{holder.url}", 0) >= 8,
              "the restarted worker's new blocks indexed")  # fmt: skip
+
+
+def _killed_behind_envoy_costs_no_request(vllm_pair, holder, doc: str, tmp_path) -> None:
+    """SIGKILL `holder` while clients send its prefix through Envoy and `radixserve epp`
+    (kv_aware, health checks a minute apart): Envoy retries what the dead vLLM held or was
+    picked for on the EPP's fallback endpoint, so every request is answered."""
+    import os
+    import signal
+    from concurrent.futures import ThreadPoolExecutor
+
+    from envoy_harness import EnvoyProc, EppProc
+
+    epp = EppProc([s.url for s in vllm_pair], "--policy", "kv_aware",
+                  "--health-check-interval-secs", "60")  # fmt: skip
+    envoy = None
+    try:
+        envoy = EnvoyProc(epp, tmp_path)
+        wait_for(lambda: all(w.get("kv_events") and w["healthy"] for w in epp.workers().values()),
+                 "both publishers followed by the EPP")  # fmt: skip
+
+        def ask(i: int) -> int:
+            body = {"model": "smollm2", "prompt": doc + f" through envoy {i}", "max_tokens": 8}
+            return _post_via(envoy.addr, body)[0]
+
+        with ThreadPoolExecutor(4) as pool:
+            first = list(pool.map(ask, range(4)))
+            later = [pool.submit(ask, i) for i in range(4, 24)]
+            time.sleep(0.5)  # some of them in flight at the holder
+            os.killpg(holder.proc.pid, signal.SIGKILL)
+            holder.proc.wait(30)
+            statuses = first + [f.result() for f in later]
+        assert statuses == [200] * 24, statuses
+        assert not epp.workers()[holder.url]["healthy"] or epp.workers()[holder.url]["errors"] >= 1
+    finally:
+        for proc in (envoy, epp):
+            if proc is not None:
+                proc.stop()
