@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("httptools")
 
 from radixserve.config import with_flags  # noqa: E402
-from radixserve.router.proxy import app  # noqa: E402
+from radixserve.router.proxy import forwarding  # noqa: E402
 from radixserve.router.proxy.config import RouterConfig  # noqa: E402
 from radixserve.router.proxy.kv_setup import load_tokenizer  # noqa: E402
 from test_router_app import (  # noqa: E402
@@ -124,7 +124,7 @@ def test_a_failing_tokenizer_routes_the_request_without_token_ids(kind, workers,
 
 
 def test_a_stuck_tokenizer_delays_its_request_a_bounded_time(workers, make_router, monkeypatch):  # noqa: F811
-    monkeypatch.setattr(app, "TOKENIZE_TIMEOUT_SECS", 0.5)
+    monkeypatch.setattr(forwarding, "TOKENIZE_TIMEOUT_SECS", 0.5)
     tok = GatedTokenizer(hold=30.0)
     r = kv_router(make_router, [workers[0].url], tok, tokenize_workers=1)
     try:

@@ -44,7 +44,7 @@ ROLES = ("prefill", "decode")
 
 
 class Failure(NamedTuple):
-    """Why an attempt failed (as app.Failure): what to answer if it is the last, whether to
+    """Why an attempt failed (as forwarding.Failure): what to answer if it is the last, whether to
     try again, whether the worker's connection died holding the request."""
 
     why: str
