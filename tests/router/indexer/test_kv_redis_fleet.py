@@ -135,10 +135,15 @@ def test_replicas_agree_and_a_late_one_routes_precisely_at_once(fleet):
     # one busy: A sends p2 to the other, so the prefixes live apart
     w1 = routed_to(a, p1)
     w2 = next(u for u in urls if u != w1)
+    # under load the events can lag: until Redis has p1 at w1, A has no holder to prefer
+    wait_for(lambda: w1 in redis_holders(fleet, p1), what=f"{w1} in Redis for p1")
     busy = threading.Thread(target=generate, args=(f"http://{a.addr}", p1 + prompt(9, BLOCK), 2000))
     busy.start()
     try:
-        wait_for(lambda: loads(a)[w1] == 1, what="a request in flight on w1")
+        try:
+            wait_for(lambda: loads(a)[w1] == 1, what="a request in flight on w1")
+        except AssertionError as exc:  # say where it went and what the router saw
+            raise AssertionError(f"{exc}; loads {loads(a)}\n{warnings(a)}") from None
         assert routed_to(a, p2) == w2
     finally:
         busy.join()
