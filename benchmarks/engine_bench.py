@@ -22,8 +22,9 @@ Servers: ``radixserve`` and ``vllm`` run with their own defaults (radixserve's m
 core; vLLM-CPU keeps one core for its front end and runs one OpenMP thread per core left);
 ``radixserve-reserve1`` leaves a core as vLLM does, ``vllm-all-cores`` binds vLLM's threads to
 every core; ``radixserve-pytorch`` runs without radixserve's CPU kernels (``--cpu-kernels off``:
-oneDNN linears, ``cpu-contig`` attention, PyTorch's small ops); ``radixserve-spin`` runs with
-libgomp's spinning wait (``GOMP_SPINCOUNT=300000``) instead of the engine's ``PASSIVE`` default.
+oneDNN linears, ``cpu-contig`` attention, PyTorch's small ops); ``radixserve-spin`` sets
+libgomp's spinning wait explicitly (``GOMP_SPINCOUNT=300000``, what the engine runs with when
+nothing is set) and ``radixserve-passive`` makes idle threads sleep (``OMP_WAIT_POLICY=PASSIVE``).
 Ratios are printed for each pair that ran.
 """
 
@@ -145,18 +146,20 @@ def cores() -> int:
 
 # the servers one run may compare: each one's defaults, and each with the other's thread choice
 # (radixserve's model runs on every core by default; vLLM-CPU keeps one core for its front end)
-SERVERS = ("radixserve", "radixserve-reserve1", "radixserve-pytorch", "radixserve-spin", "vllm",
-           "vllm-all-cores")  # fmt: skip
+SERVERS = ("radixserve", "radixserve-reserve1", "radixserve-pytorch", "radixserve-spin",
+           "radixserve-passive", "vllm", "vllm-all-cores")  # fmt: skip
 
 
 def server_env(name: str) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("OMP_NUM_THREADS", None)  # each server's own default
     if name.startswith("radixserve"):
-        for var in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):  # radixserve's own default: PASSIVE
+        for var in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):  # radixserve's own default: libgomp's
             env.pop(var, None)
-    if name == "radixserve-spin":  # libgomp's own default, the engine's before PASSIVE
+    if name == "radixserve-spin":  # libgomp's own default, set explicitly
         env["GOMP_SPINCOUNT"] = "300000"
+    if name == "radixserve-passive":  # idle threads sleep: for cores shared with other jobs
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
     if name.startswith("vllm"):
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     if name == "vllm-all-cores":
@@ -260,7 +263,8 @@ def main() -> None:
                              ("radixserve", "vllm-all-cores"),
                              ("radixserve-pytorch", "vllm-all-cores"),
                              ("radixserve", "radixserve-pytorch"),
-                             ("radixserve", "radixserve-spin")):  # fmt: skip
+                             ("radixserve", "radixserve-spin"),
+                             ("radixserve", "radixserve-passive")):  # fmt: skip
             if {ours, theirs} <= set(results):
                 a, b = results[ours][key], results[theirs][key]
                 ratios = " | ".join(f"{a[c] / b[c]:.2f}x" for c in cols)

@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("torch")
 
 from radixserve.engine.engine import Engine  # noqa: E402
-from radixserve.engine.procutil import OMP_WAIT_VARS, default_omp_wait_policy  # noqa: E402
+from radixserve.engine.procutil import OMP_WAIT_VARS, omp_wait_settings  # noqa: E402
 from radixserve.engine.tokenizer_manager import EngineDeadError, RequestError  # noqa: E402
 from server_harness import alive, wait_gone  # noqa: E402
 from tiny_models import build_tiny_model  # noqa: E402
@@ -182,25 +182,22 @@ def test_a_model_without_the_engine_extra_says_how_to_install_it(monkeypatch):
         launch(EngineConfig())
 
 
-def test_the_model_process_sleeps_its_openmp_threads_unless_the_user_says_otherwise(
-    model_dir, monkeypatch
-):
-    """libgomp's spinning threads hold shared cores: the model process starts with
-    OMP_WAIT_POLICY=PASSIVE (before torch loads libgomp), and keeps what a user set."""
+def test_the_model_process_runs_with_the_users_openmp_wait_settings(model_dir, monkeypatch):
+    """The engine leaves OpenMP's wait policy to the user (libgomp's spinning default when none
+    is set) and says in its info what the model process runs with."""
     for var in OMP_WAIT_VARS:
         monkeypatch.delenv(var, raising=False)
     with Engine(model=str(model_dir), max_total_tokens=1024) as eng:
-        assert eng.procs.info["omp"] == {"OMP_WAIT_POLICY": "PASSIVE"}
+        assert eng.procs.info["omp"] == {}
         assert eng.procs.info["num_threads"] == 1  # OMP_NUM_THREADS=1 (tests/conftest.py)
-    monkeypatch.setenv("GOMP_SPINCOUNT", "10000")  # a bounded spin, chosen by the user
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # cores shared with other jobs
     with Engine(model=str(model_dir), max_total_tokens=1024) as eng:
-        assert eng.procs.info["omp"] == {"GOMP_SPINCOUNT": "10000"}
+        assert eng.procs.info["omp"] == {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
-def test_the_default_wait_policy_never_overrides_the_users():
-    env = {"OMP_WAIT_POLICY": "ACTIVE"}
-    assert default_omp_wait_policy(env)["OMP_WAIT_POLICY"] == "ACTIVE"
-    assert env == {"OMP_WAIT_POLICY": "ACTIVE"}
-    env = {}
-    out = default_omp_wait_policy(env)  # torch is loaded in this process: too late, and said
-    assert env == {"OMP_WAIT_POLICY": "PASSIVE"} and "torch was imported" in out["note"]
+def test_the_wait_settings_are_read_never_changed():
+    env = {"GOMP_SPINCOUNT": "10000"}
+    out = omp_wait_settings(env)  # torch is loaded in this process: said
+    assert env == {"GOMP_SPINCOUNT": "10000"} and out["GOMP_SPINCOUNT"] == "10000"
+    assert "torch was imported" in out["note"]
+    assert omp_wait_settings({}) == {"note": out["note"]}

@@ -65,19 +65,19 @@ def exit_with_parent(parent_pid: int, interval: float = 0.5) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def default_omp_wait_policy(environ: MutableMapping[str, str] = os.environ) -> dict[str, str]:
-    """Make torch's OpenMP threads sleep, not spin, while they wait (``OMP_WAIT_POLICY=PASSIVE``),
-    unless the user set ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT``; return the two as they now are.
+def omp_wait_settings(environ: MutableMapping[str, str] = os.environ) -> dict[str, str]:
+    """The OpenMP wait settings the model process runs with (``OMP_WAIT_POLICY``,
+    ``GOMP_SPINCOUNT``, as the user set them; none set: libgomp's spinning default), for the
+    engine's info. The engine sets neither.
 
-    Why: libgomp's own default spins every idle thread ~300,000 times at each barrier, and a
-    decode step has ~150 barriers (five parallel kernels a layer). Where other processes share the
-    cores (a CI runner, a workstation, a second engine), a spinning thread holds a core its
-    partner needs to finish the region: on 2 shared cores a batch-8 decode step of SmolLM2-135M
-    took 4-6x as long as with PASSIVE (``benchmarks/cpu_threads.py``). Must run before torch is
-    imported in this process (it is a no-op afterwards, and says so in the result)."""
-    if not any(v in environ for v in OMP_WAIT_VARS):
-        environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    Why not ``PASSIVE`` by default: on cores of its own a spinning thread answers the next
+    parallel region at once, and ``benchmarks/engine_bench.py`` on this 2-core machine, quiet,
+    ran 1.12-1.25x faster spinning than with ``PASSIVE``. Where other processes share the cores
+    (a CI runner, a workstation, a second engine), a spinning thread holds a core its partner
+    needs: a batch-8 decode step then took 4-11x as long as with ``PASSIVE``
+    (``benchmarks/cpu_threads.py``), so set ``OMP_WAIT_POLICY=PASSIVE`` there. Read before torch
+    is imported in this process (libgomp reads the variables when it loads)."""
     out = {v: environ[v] for v in OMP_WAIT_VARS if v in environ}
     if "torch" in sys.modules:
-        out["note"] = "set after torch was imported: libgomp's own default applies"
+        out["note"] = "read after torch was imported: a change made since does not apply"
     return out

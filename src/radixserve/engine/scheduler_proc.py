@@ -31,7 +31,7 @@ from radixserve.engine.messages import (
     TokenOut,
 )
 from radixserve.engine.pd_rooms import make_role
-from radixserve.engine.procutil import Endpoints, default_omp_wait_policy, exit_with_parent
+from radixserve.engine.procutil import Endpoints, exit_with_parent, omp_wait_settings
 from radixserve.engine.trace_spans import record_request
 from radixserve.sched.batch import Batch, StepResult, TokenLogprob
 from radixserve.sched.request import FinishReason, Req, TokenOutput
@@ -316,7 +316,7 @@ class Worker:
 def run_scheduler(engine_config: Any, endpoints: Endpoints, ready: Any, parent_pid: int) -> None:
     """Process entry: build the runner and scheduler, report ready (or the error), then loop."""
     exit_with_parent(parent_pid)
-    omp = default_omp_wait_policy()  # before build_worker imports torch (and tp ranks inherit it)
+    omp = omp_wait_settings()  # before build_worker imports torch (tp ranks inherit the env)
     try:
         runner, scheduler, info = engine_config.build_worker()
         info["omp"] = omp
