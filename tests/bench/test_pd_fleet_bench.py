@@ -5,18 +5,14 @@ figure and the ratios. Timings are printed, never asserted."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from bench_run import run_benchmark
 
 pytest.importorskip("mooncake.engine")
 pytest.importorskip("torch")
 
-ROOT = Path(__file__).resolve().parents[2]
 SMALLEST = ["--rounds", "1", "--duration", "1", "--prompt-tokens", "200", "300",
             "--gen-tokens", "8", "12", "--prompt-interval", "1", "--gen-interval", "1"]  # fmt: skip
 FIGURES = (
@@ -33,11 +29,7 @@ FIGURES = (
 
 
 def test_the_smallest_pd_benchmark_runs_and_reports_every_figure():
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "benchmarks/pd_fleet.py", *SMALLEST], cwd=ROOT,
-                         env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    out = run.stdout
+    out = run_benchmark("pd_fleet.py", SMALLEST, timeout=900)
     assert out.startswith("machine: ") and "workload: 1 long prompts of 200-300 tokens" in out
     header = next(ln for ln in out.splitlines() if ln.startswith("run "))
     assert all(h in header for h in FIGURES), header

@@ -153,12 +153,17 @@ def test_a_killed_rank_fails_requests_with_a_message_within_seconds(tiny_model_d
         mid.join(30)
         assert replies and replies[0].status >= 500, replies
         assert time.monotonic() - killed < 10
-        after = server.post("/generate", body)
-        assert after.status == 503
-        message = after.json()["error"]["message"]
-        assert f"tensor-parallel rank 1 (pid {rank1}) was killed by signal 9" in message
+        assert_the_dead_rank_is_named(server, body, rank1)
     finally:
         server.stop(check=False)
+
+
+def assert_the_dead_rank_is_named(server: ServerProcess, body: dict, rank1: int) -> None:
+    """After rank 1 was SIGKILLed: every later request gets a 503 that names it."""
+    after = server.post("/generate", body)
+    assert after.status == 503
+    message = after.json()["error"]["message"]
+    assert f"tensor-parallel rank 1 (pid {rank1}) was killed by signal 9" in message
 
 
 @pytest.mark.gpu

@@ -6,6 +6,7 @@ ZeroMQ; skipped, saying why, without the vLLM venv (RADIXSERVE_VLLM_PYTHON; see 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
@@ -437,17 +438,9 @@ def test_behind_envoy_the_epp_routes_vllm_on_its_kv_events(vllm_pair, tmp_path):
     """`radixserve epp --policy kv_aware` behind a real Envoy: the same discovery of vLLM's
     publishers and load reads as `route`, repeats to the holder (vLLM itself hits), streams
     through Envoy untouched."""
-    pytest.importorskip("grpc")
-    pytest.importorskip("envoy")
-    from envoy_harness import EnvoyProc, EppProc, get
+    from envoy_harness import get
 
-    epp = EppProc([s.url for s in vllm_pair], "--policy", "kv_aware",
-                  "--health-check-interval-secs", "0.5")  # fmt: skip
-    envoy = None
-    try:
-        envoy = EnvoyProc(epp, tmp_path)
-        wait_for(lambda: all(w.get("kv_events") and w["healthy"] for w in epp.workers().values()),
-                 "both publishers followed")  # fmt: skip
+    with _epp_behind_envoy(vllm_pair, tmp_path, health_secs=0.5) as (epp, envoy):
 
         def served(text: str) -> str:
             before = {u: w["requests"] for u, w in epp.workers().items()}
@@ -476,10 +469,6 @@ def test_behind_envoy_the_epp_routes_vllm_on_its_kv_events(vllm_pair, tmp_path):
         body = {"model": "smollm2", "prompt": "one two three", "max_tokens": 8, "stream": True}
         status, raw, _ = _post_via(envoy.addr, body)
         assert status == 200 and raw.rstrip().endswith(b"data: [DONE]")
-    finally:
-        for proc in (envoy, epp):
-            if proc is not None:
-                proc.stop()
 
 
 def _post_via(addr: str, body: dict) -> tuple[int, bytes, dict]:
@@ -551,15 +540,7 @@ def _killed_behind_envoy_costs_no_request(vllm_pair, holder, doc: str, tmp_path)
     import signal
     from concurrent.futures import ThreadPoolExecutor
 
-    from envoy_harness import EnvoyProc, EppProc
-
-    epp = EppProc([s.url for s in vllm_pair], "--policy", "kv_aware",
-                  "--health-check-interval-secs", "60")  # fmt: skip
-    envoy = None
-    try:
-        envoy = EnvoyProc(epp, tmp_path)
-        wait_for(lambda: all(w.get("kv_events") and w["healthy"] for w in epp.workers().values()),
-                 "both publishers followed by the EPP")  # fmt: skip
+    with _epp_behind_envoy(vllm_pair, tmp_path, health_secs=60) as (epp, envoy):
 
         def ask(i: int) -> int:
             body = {"model": "smollm2", "prompt": doc + f" through envoy {i}", "max_tokens": 8}
@@ -574,6 +555,24 @@ def _killed_behind_envoy_costs_no_request(vllm_pair, holder, doc: str, tmp_path)
             statuses = first + [f.result() for f in later]
         assert statuses == [200] * 24, statuses
         assert not epp.workers()[holder.url]["healthy"] or epp.workers()[holder.url]["errors"] >= 1
+
+
+@contextlib.contextmanager
+def _epp_behind_envoy(vllm_pair, tmp_path, health_secs: float):
+    """`radixserve epp --policy kv_aware` over the pair, a real Envoy before it, both stopped
+    after; yields once the EPP follows both publishers."""
+    pytest.importorskip("grpc")
+    pytest.importorskip("envoy")
+    from envoy_harness import EnvoyProc, EppProc
+
+    epp = EppProc([s.url for s in vllm_pair], "--policy", "kv_aware",
+                  "--health-check-interval-secs", str(health_secs))  # fmt: skip
+    envoy = None
+    try:
+        envoy = EnvoyProc(epp, tmp_path)
+        wait_for(lambda: all(w.get("kv_events") and w["healthy"] for w in epp.workers().values()),
+                 "both publishers followed by the EPP")  # fmt: skip
+        yield epp, envoy
     finally:
         for proc in (envoy, epp):
             if proc is not None:
