@@ -1,60 +1,48 @@
-"""Frozen dataclass configs for every component; CLI flags are generated from their fields.
+"""Frozen dataclass configs of the engine's components (cache, scheduler, model, prefill/decode
+disaggregation, traces); CLI flags are generated from their fields.
 
-Each field's ``metadata["help"]`` is its help text; ``add_dataclass_args`` turns a dataclass
-into an argparse group and ``from_args`` builds the dataclass back from parsed arguments.
-Values derived at run time live in the components' own runtime objects, never here.
+Each field's ``metadata["help"]`` is its help text; ``add_dataclass_args`` (config_flags.py) turns
+a dataclass into an argparse group and ``from_args`` builds the dataclass back from parsed
+arguments. Values derived at run time live in the components' own runtime objects, never here.
 
 A field's bounds live in its metadata (``ge``, ``gt``, ``le``, ``lt``; ``also``: values allowed
 besides, such as -1 for "off"; ``check``: a function naming what is wrong with a value, run on
-the command line only, where it may look at files). ``check_fields`` applies the bounds in
-``__post_init__``; the flags apply them while parsing, and ``CliParser`` builds every config
-right after parsing, so a bad value is one line and exit status 2 before any process starts.
+the command line only, where it may look at files: config_checks.py). ``check_fields``
+(config_bounds.py) applies the bounds in ``__post_init__``; the flags apply them while parsing,
+and ``CliParser`` builds every config right after parsing, so a bad value is one line and exit
+status 2 before any process starts. This module re-exports those helpers: import them from here.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
-import operator
-import os
 import re
-import types
-import typing
-from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NoReturn, TypeVar
+from typing import Any
 
-T = TypeVar("T")
+from radixserve.config_bounds import bound_problem, check_fields  # noqa: F401  (re-exported)
+from radixserve.config_checks import (  # noqa: F401  (writable_file re-exported)
+    device_problem,
+    dir_problem,
+    writable_file,
+)
+from radixserve.config_flags import (  # noqa: F401  (re-exported: the flags made from configs)
+    CliParser,
+    add_check,
+    add_dataclass_args,
+    bounded,
+    choices_of,
+    flag_names,
+    from_args,
+    from_flags,
+    lazy_attr,
+    with_flags,
+)
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
-
-
-def bound_problem(value: Any, meta: typing.Mapping[str, Any]) -> str | None:
-    """What is wrong with ``value`` under the bounds in ``meta``, or None (None is no value)."""
-    if value is None or isinstance(value, bool) or value in meta.get("also", ()):
-        return None
-    if isinstance(value, float) and math.isnan(value):
-        return "must be a number (got nan)"
-    for key, op, holds in _BOUNDS:
-        if key in meta and not holds(value, meta[key]):
-            also = "".join(f" or {a}" for a in meta.get("also", ()))
-            shown = f"{value:g}" if isinstance(value, float) else repr(value)
-            return f"must be {op} {meta[key]}{also} (got {shown})"
-    return None
-
-
-_BOUNDS = (("ge", ">=", operator.ge), ("gt", ">", operator.gt),
-           ("le", "<=", operator.le), ("lt", "<", operator.lt))  # fmt: skip
-
-
-def check_fields(obj: Any) -> None:
-    """Refuse a field outside its metadata's bounds: ValueError naming the field."""
-    for f in dataclasses.fields(obj):
-        if problem := bound_problem(getattr(obj, f.name), f.metadata):
-            raise ValueError(f"{f.name} {problem}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,7 +233,7 @@ class ModelConfig:
     model: str | None = _f(
         None,
         "HF directory or .gguf file (default: built-in SmolLM2-135M)",
-        check=lambda path: _lazy("radixserve.modelfiles.locate", "model_path_problem")(path),
+        check=lambda path: lazy_attr("radixserve.modelfiles.locate", "model_path_problem")(path),
     )
     dtype: str = _f(
         "float32",
@@ -271,12 +259,12 @@ class ModelConfig:
         "PyTorch's (oneDNN linears, cpu-contig attention)",
         choices=("auto", "off"),
     )
-    device: str = _f("cpu", "torch device (cpu, cuda, cuda:0, ...)", check=lambda d: _device(d))
+    device: str = _f("cpu", "torch device (cpu, cuda, cuda:0, ...)", check=device_problem)
     context_length: int | None = _f(None, "longest sequence (default: the model's)", ge=1)
     weights_cache_dir: str = _f(
         "~/.cache/radixserve",
         "where a .gguf model is converted (dequantized) once, keyed by its content, and reused",
-        check=lambda d: _dir_problem(d),
+        check=dir_problem,
     )
     sampling_seed: int = _f(
         0, "seed of the sampler for requests that carry no seed of their own", ge=0, lt=2**64
@@ -395,216 +383,3 @@ class TraceConfig:
         """Where spans are posted (OTLP/HTTP's /v1/traces under HOST:PORT)."""
         ep = self.otlp_traces_endpoint.strip()
         return ep if "://" in ep else f"http://{ep}/v1/traces"
-
-
-def choices_of(choices: tuple[str, ...] | str) -> tuple[str, ...]:
-    """A field's choices: listed, or "module:NAME" of a registry read when the flags are made
-    (registries that import this module cannot be imported by it at load time)."""
-    if isinstance(choices, str):
-        return tuple(_lazy(*choices.split(":")))
-    return choices
-
-
-def _lazy(module: str, name: str) -> Any:
-    import importlib
-
-    return getattr(importlib.import_module(module), name)
-
-
-def _device(text: str) -> str | None:
-    """What keeps ``text`` from naming a usable torch device (torch imported only if not cpu)."""
-    if text == "cpu":
-        return None
-    try:
-        import torch
-    except ImportError:
-        return f"{text!r} needs torch (pip install 'radixserve[engine]')"
-
-    try:
-        device = torch.device(text)
-    except RuntimeError:
-        return f"is not a torch device (got {text!r}; e.g. cpu, cuda, cuda:1)"
-    if device.type == "cpu":
-        return None
-    backend = getattr(torch, device.type, None)
-    available = getattr(backend, "is_available", lambda: False)()
-    if not available:
-        return f"has no usable {device.type} device here (torch {torch.__version__}; got {text!r})"
-    count = getattr(backend, "device_count", lambda: 1)()
-    if device.index is not None and device.index >= count:
-        return f"names {device.type} device {device.index}, but only {count} are here"
-    return None
-
-
-def _dir_problem(path: str) -> str | None:
-    """Why ``path`` cannot be a directory this process writes in (it may be made later)."""
-    p = os.path.expanduser(path)
-    while not os.path.exists(p):  # the closest existing ancestor decides
-        p = os.path.dirname(p.rstrip("/")) or "."
-    if not os.path.isdir(p):
-        return f"{p} is not a directory"
-    if not os.access(p, os.W_OK | os.X_OK):
-        return f"cannot write in {p}"
-    return None
-
-
-def writable_file(path: str) -> str:
-    """argparse ``type`` of an output file: refused at once if it cannot be written later (the
-    file is opened for appending, and removed again if this made it)."""
-    if os.path.isdir(path):
-        raise argparse.ArgumentTypeError(f"{path} is a directory")
-    parent = os.path.dirname(path) or "."
-    if not os.path.isdir(parent):
-        raise argparse.ArgumentTypeError(f"no directory {parent} to write {path} in")
-    existed = os.path.exists(path)
-    try:
-        with open(path, "ab"):
-            pass
-    except OSError as e:
-        raise argparse.ArgumentTypeError(f"cannot write {path}: {e.strerror}") from None
-    if not existed:
-        os.remove(path)
-    return path
-
-
-def bounded(tp: Callable[[str], Any], **meta: Any) -> Callable[[str], Any]:
-    """argparse ``type``: ``tp`` whose value must keep ``meta``'s bounds (and ``check``)."""
-
-    def convert(text: str) -> Any:
-        value = tp(text)  # ValueError: argparse says "invalid int value: 'x'"
-        problem = bound_problem(value, meta) or (meta["check"](value) if "check" in meta else None)
-        if problem:
-            raise argparse.ArgumentTypeError(problem)
-        return value
-
-    convert.__name__ = getattr(tp, "__name__", "value")
-    return convert
-
-
-def _base_type(tp: Any) -> Any:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return args[0]
-    return tp
-
-
-def add_dataclass_args(
-    parser: argparse.ArgumentParser, cls: type, title: str, check: bool = True, group: Any = None
-) -> None:
-    """Add one ``--flag-name`` per field of ``cls`` to a new argument group; each value keeps its
-    field's bounds. A field whose type is itself a config dataclass (settings shared by several
-    commands) adds its own fields' flags to the same group, under their own names. With
-    ``check`` (and a ``CliParser``), ``cls`` is built right after parsing, so its
-    ``__post_init__`` refuses bad combinations before the command runs."""
-    group = parser.add_argument_group(title) if group is None else group
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        flag = "--" + f.name.replace("_", "-")
-        tp = _base_type(hints[f.name])
-        if dataclasses.is_dataclass(tp):
-            add_dataclass_args(parser, tp, title, False, group)  # type: ignore[arg-type]
-            continue
-        kw: dict[str, Any] = {"dest": f.name, "default": f.default, "help": f.metadata.get("help")}
-        if tp is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
-            continue
-        if "choices" in f.metadata:
-            kw["choices"] = choices_of(f.metadata["choices"])
-        if f.metadata.get("repeat"):  # --prefill URL [PORT] --prefill URL2: one list each
-            nargs = "+" if f.metadata["repeat"] is True else f.metadata["repeat"]
-            kw.update(action="append", nargs=nargs, default=None, metavar=f.metadata.get("metavar"))
-            group.add_argument(flag, **kw)
-            continue
-        if typing.get_origin(tp) is tuple:  # a list flag, as in sglang-router: --worker-urls A B C
-            tp = typing.get_args(tp)[0]
-            kw.update(nargs="*", metavar=f.metadata.get("metavar"))
-        group.add_argument(flag, type=bounded(tp, **f.metadata), **kw)
-    if check:
-        add_check(parser, lambda args: from_args(cls, args))
-
-
-def add_check(
-    parser: argparse.ArgumentParser, check: Callable[[argparse.Namespace], object]
-) -> None:
-    """Run ``check`` on the parsed arguments before the command (a CliParser's only)."""
-    if isinstance(parser, CliParser):
-        parser.checks.append(check)
-
-
-def from_args(cls: type[T], args: argparse.Namespace) -> T:
-    """Build ``cls`` from the parsed arguments that share its field names (and its nested
-    configs' field names: see add_dataclass_args)."""
-    return from_flags(cls, vars(args))
-
-
-def flag_names(cls: type) -> set[str]:
-    """The flag names (field names) of ``cls``, its nested configs' included."""
-    hints = typing.get_type_hints(cls)
-    names: set[str] = set()
-    for f in dataclasses.fields(cls):
-        tp = _base_type(hints[f.name])
-        names |= flag_names(tp) if dataclasses.is_dataclass(tp) else {f.name}
-    return names
-
-
-def from_flags(cls: type[T], values: Mapping[str, Any]) -> T:
-    """Build ``cls`` from flat flag values, as the command line gives them: a nested config is
-    built from the values named as its fields. Names ``cls`` has no flag for are left out."""
-    hints = typing.get_type_hints(cls)
-    kw: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        tp = _base_type(hints[f.name])
-        if dataclasses.is_dataclass(tp):
-            kw[f.name] = from_flags(tp, values)  # type: ignore[arg-type]
-        elif f.name in values:
-            kw[f.name] = values[f.name]
-    return cls(**kw)
-
-
-def with_flags(cls: type[T], **values: Any) -> T:
-    """``cls`` built from flag values given by name (``with_flags(RouterConfig, port=0,
-    cache_threshold=0.7)``); a name that is no flag of ``cls`` is a TypeError."""
-    unknown = sorted(set(values) - flag_names(cls))
-    if unknown:
-        raise TypeError(f"{cls.__name__} has no setting {', '.join(unknown)}")
-    return from_flags(cls, values)
-
-
-class CliParser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line and exit status 2: ``radixserve serve: error:
-    --max-wait-ms must be >= 0 (got -5); see radixserve serve --help``, never the usage. Its
-    ``checks`` run on the parsed arguments (a ValueError is such an error), before the command;
-    subparsers made from it are CliParsers too."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.checks: list[Callable[[argparse.Namespace], object]] = []
-
-    def parse_known_args(  # type: ignore[override]
-        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
-    ) -> tuple[argparse.Namespace, list[str]]:
-        parsed, extras = super().parse_known_args(args, namespace)
-        for check in self.checks:
-            try:
-                check(parsed)
-            except ValueError as e:
-                self.error(str(e))
-        return parsed, extras
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {_flag_first(message)}; see {self.prog} --help\n")
-
-
-def _flag_first(message: str) -> str:
-    """argparse's "argument --x: must be ..." as "--x must be ..."; one line."""
-    message = " ".join(message.split())
-    m = re.fullmatch(r"argument (\S+): (.*)", message)
-    if m is None:
-        return message
-    flag, what = m.groups()
-    return (
-        f"{flag} {what}"
-        if what.startswith(("must", "has ", "names ", "is "))
-        else f"{flag}: {what}"
-    )
