@@ -1,15 +1,16 @@
-"""Workloads as plain request records: shared-prefix groups, multi-turn chat and trace replay.
+"""Generated workloads as plain request records (shared-prefix groups, multi-turn chat, a
+shared-prefix mix) and the registry of every workload by name, trace replay included.
 
-Also the best prefix hit rate a workload allows, and a deterministic text rendering of token ids.
+Also the import path of what the workloads are made of (workload_request.py), trace replay
+(trace_replay.py), the best hit rate a workload allows (hit_rates.py) and the text rendering of
+token ids (modelfiles/sim_tokenizer.py): those names are re-exported here.
 """
 
 from __future__ import annotations
 
-import bisect
-import json
 import math
 import random
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -19,67 +20,24 @@ from radixserve.modelfiles.sim_tokenizer import (  # noqa: F401  (re-exported: w
     parse_text,
     render_text,
 )
-from radixserve.sim.trace_tokens import TRACE_BLOCK_TOKENS, TraceTokens
+from radixserve.sim.hit_rates import block_hit_rate, ideal_prefix_hit_rate  # noqa: F401
+from radixserve.sim.trace_replay import (  # noqa: F401  (re-exported: trace replay)
+    TraceConfig,
+    TraceRecord,
+    read_trace,
+    trace_replay,
+)
+from radixserve.sim.workload_request import (  # noqa: F401  (re-exported: the records)
+    Chains,
+    WorkloadRequest,
+    poisson_arrivals,
+)
 
 ReplyFn = Callable[[list[int], int], list[int]]  # (prompt ids, n) -> the assistant's n tokens
 
 
 def _opt(default: Any, help: str, **bounds: Any) -> Any:
     return field(default=default, metadata={"help": help, **bounds})
-
-
-@dataclass(frozen=True, slots=True)
-class WorkloadRequest:
-    """One request of a workload: what to send, when, and which prefix family it belongs to."""
-
-    rid: str
-    arrival_s: float
-    input_ids: list[int]
-    output_len: int
-    group: str | None = None  # shared-prefix group
-    session: str | None = None  # multi-turn chat session
-    turn: int = 0
-    # the previous turn of the session: a closed-loop driver sends this request only after
-    # that one finished (plus a think time); ``arrival_s`` is the open-loop estimate
-    prev_rid: str | None = None
-    hash_ids: tuple[int, ...] = ()  # trace replay: one id per block of the prompt
-
-
-class Chains:
-    """How a closed-loop driver (the simulator, ``radixserve bench``) sends ``reqs``: the roots
-    go at their arrival times; each other request follows the request named by its
-    ``prev_rid``, sent once that one finished plus a think time (a chat's next turn)."""
-
-    def __init__(self, reqs: Sequence[WorkloadRequest]) -> None:
-        self.reqs = reqs
-        index = {r.rid: i for i, r in enumerate(reqs)}
-        self.roots: list[int] = []
-        self.followers: dict[int, list[int]] = {}
-        for j, r in enumerate(reqs):
-            if r.prev_rid is not None and r.prev_rid in index:
-                self.followers.setdefault(index[r.prev_rid], []).append(j)
-            else:
-                self.roots.append(j)
-
-    def after(self, i: int) -> list[tuple[int, float]]:
-        """What request ``i`` finishing releases: (index, think time in seconds) pairs."""
-        reqs = self.reqs
-        return [
-            (j, max(reqs[j].arrival_s - reqs[i].arrival_s, 0.0)) for j in self.followers.get(i, ())
-        ]
-
-
-def poisson_arrivals(n: int, rate: float, rng: random.Random) -> list[float]:
-    """Arrival times of ``n`` requests of a Poisson process (``rate`` per second; inf: all at 0)."""
-    if rate <= 0:
-        raise ValueError(f"request rate must be > 0, got {rate}")
-    if math.isinf(rate):
-        return [0.0] * n
-    t, out = 0.0, []
-    for _ in range(n):
-        t += rng.expovariate(rate)
-        out.append(t)
-    return out
 
 
 def _random_ids(rng: random.Random, n: int, vocab_size: int) -> list[int]:
@@ -254,164 +212,6 @@ def prefix_mix(cfg: PrefixMixConfig) -> list[WorkloadRequest]:
         ids = head + _random_ids(rng, cfg.question_len, cfg.vocab_size)
         out.append(WorkloadRequest(f"mix-{i}", t, ids, cfg.output_len, f"p{g}" if shared else None))
     return out
-
-
-# --- trace replay ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class TraceRecord:
-    """One line of a Mooncake-format trace."""
-
-    timestamp_ms: float
-    input_length: int
-    output_length: int
-    hash_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class TraceConfig:
-    """Replay of a JSONL trace: timestamp (ms), input_length, output_length, hash_ids."""
-
-    path: str | None = _opt(None, "the trace file (JSONL)")
-    limit: int | None = _opt(None, "replay only the first N requests")
-    request_rate: float | None = _opt(None, "Poisson arrivals per second (None: trace times)", gt=0)
-    block_tokens: int = _opt(512, "tokens generated per 512-token block (less shrinks prompts)")
-    vocab_size: int = _opt(SIM_VOCAB_SIZE, "token ids are drawn from [0, vocab_size - 1)", ge=3)
-    seed: int = _opt(0, "seed of the Poisson arrivals")
-
-    def __post_init__(self) -> None:
-        check_fields(self)
-        if self.vocab_size < 3:
-            raise ValueError(f"vocab_size must be >= 3, got {self.vocab_size}")
-        if not 1 <= self.block_tokens <= TRACE_BLOCK_TOKENS:
-            raise ValueError(f"block_tokens must be in [1, 512], got {self.block_tokens}")
-        if self.limit is not None and self.limit < 0:
-            raise ValueError(f"limit must be >= 0, got {self.limit}")
-
-
-def read_trace(path: str, limit: int | None = None) -> list[TraceRecord]:
-    """Parse a trace file; a malformed line raises ValueError naming the line."""
-    records: list[TraceRecord] = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if limit is not None and len(records) >= limit:
-                break
-            if line.strip():
-                records.append(_parse_record(line, f"{path}:{lineno}"))
-    return records
-
-
-def _parse_record(line: str, where: str) -> TraceRecord:
-    try:
-        d = json.loads(line)
-        ids = tuple(int(h) for h in d["hash_ids"])
-        rec = TraceRecord(
-            float(d["timestamp"]), int(d["input_length"]), int(d["output_length"]), ids
-        )
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{where}: not a trace record: {e}") from None
-    n = len(rec.hash_ids)
-    if not TRACE_BLOCK_TOKENS * (n - 1) < rec.input_length <= TRACE_BLOCK_TOKENS * n:
-        raise ValueError(f"{where}: input_length {rec.input_length} does not fit {n} blocks")
-    return rec
-
-
-def trace_replay(cfg: TraceConfig) -> list[WorkloadRequest]:
-    """Requests whose prompts are the trace's blocks: equal hash ids give equal tokens, and two
-    prompts share exactly the tokens of their shared leading hash ids (see ``TraceTokens``)."""
-    if cfg.path is None:
-        raise ValueError("trace replay needs a path")
-    records = read_trace(cfg.path, cfg.limit)
-    if cfg.request_rate is None:
-        arrivals = [r.timestamp_ms / 1000 for r in records]
-    else:
-        arrivals = poisson_arrivals(len(records), cfg.request_rate, random.Random(cfg.seed))
-    tokens = TraceTokens(cfg.block_tokens, cfg.vocab_size)
-    return [
-        WorkloadRequest(
-            f"trace-{i}",
-            t,
-            tokens.prompt(r.hash_ids, r.input_length),
-            r.output_length,
-            hash_ids=r.hash_ids,
-        )
-        for i, (r, t) in enumerate(zip(records, arrivals, strict=True))
-    ]
-
-
-# --- hit rates -------------------------------------------------------------------------------
-
-
-def ideal_prefix_hit_rate(
-    requests: Iterable[WorkloadRequest],
-    page_size: int = 1,
-    outputs: Callable[[WorkloadRequest], list[int]] | None = None,
-) -> float:
-    """Share of prompt tokens that one unbounded cache already holds, in arrival order: the
-    best any placement can reach.
-
-    A token is a hit when the prompt up to and including it (in whole pages) was a prefix of
-    an earlier cached sequence, except a prompt's last token, which an engine always computes.
-    Without ``outputs`` only prompts are cached, so multi-turn replies count as misses; with
-    it (what the engine generates for a request), each reply but its last token is cached too.
-    """
-    if page_size < 1:
-        raise ValueError(f"page_size must be >= 1, got {page_size}")
-    seen: list[list[int]] = []  # earlier cached sequences, sorted
-    hit = total = 0
-    for req in sorted(requests, key=lambda r: r.arrival_s):
-        ids = req.input_ids
-        i = bisect.bisect_left(seen, ids)
-        # the earlier sequence sharing the longest prefix is a sorted-order neighbour
-        best = max(
-            (_common_prefix(ids, seen[j]) for j in (i - 1, i) if 0 <= j < len(seen)), default=0
-        )
-        best = min(best, len(ids) - 1)
-        hit += best - best % page_size
-        total += len(ids)
-        seen.insert(i, ids)
-        if outputs is not None:
-            out = outputs(req)
-            if len(out) > 1:
-                bisect.insort(seen, ids + out[:-1])  # the last token's KV is never computed
-    return hit / total if total else 0.0
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    # binary search on slice equality: the comparisons run in C, not token by token in Python
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-def block_hit_rate(requests: Iterable[WorkloadRequest | TraceRecord]) -> float:
-    """Share of prompt blocks (hash ids) that an unbounded cache already holds, in order.
-
-    Blocks hit only as a prefix: after a request's first unseen block, the rest are misses.
-    """
-    seen: set[int] = set()
-    hit = total = 0
-    for req in requests:
-        if not req.hash_ids:
-            raise ValueError("block_hit_rate needs requests with hash_ids (trace replay)")
-        n = 0
-        while n < len(req.hash_ids) and req.hash_ids[n] in seen:
-            n += 1
-        hit += n
-        total += len(req.hash_ids)
-        seen.update(req.hash_ids)
-    return hit / total if total else 0.0
-
-
-# --- text ------------------------------------------------------------------------------------
-
-# 16 consonants x 4 vowels: a token id is written as its base-64 digits, one syllable each
 
 
 # --- registry --------------------------------------------------------------------------------
