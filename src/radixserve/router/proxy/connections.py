@@ -1,40 +1,28 @@
-"""The router's HTTP/1.1 protocol handling (asyncio + httptools): parsing client connections
-within limits and timeouts, answering pipelined requests in order, and writing plain, JSON and
-streamed responses (chunked for HTTP/1.1, close-delimited for HTTP/1.0, head only for HEAD).
-Proxy logic lives in app.py; nothing here knows about workers or policies: a connection hands
-each request to its Server's `handle` (the router's proxy, or the kv-indexer's admin API)."""
+"""The router's HTTP/1.1 connections (asyncio + httptools): parsing client connections within
+limits and timeouts, and answering pipelined requests in order. The request as read lives in
+http_request.py, the writing of plain, JSON and streamed responses in responses.py (mixed into
+ClientConn); proxy logic lives in app.py; nothing here knows about workers or policies: a
+connection hands each request to its Server's `handle` (the router's proxy, or the kv-indexer's
+admin API)."""
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
-import os
 from collections import deque
-from http import HTTPStatus
 from typing import TYPE_CHECKING, Protocol
 
 import httptools
 
-from radixserve.router.proxy.errors import error_for, speaks_anthropic, stream_end
+from radixserve.router.proxy.errors import error_for
+from radixserve.router.proxy.http_request import Refusal, Request, request_id
+from radixserve.router.proxy.responses import REASONS, Responses, passback  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:
-    from radixserve.router.proxy.upstream_pool import Headers, HttpConnection
+    from radixserve.router.proxy.upstream_pool import HttpConnection
 
-REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 MAX_PIPELINED = 16  # requests parsed ahead of the one being answered; then reading pauses
 LOOPBACK = ("127.", "::1", "::ffff:127.")
-
-
-_IDS = itertools.count()
-_ID_PREFIX = os.urandom(8).hex()  # unique per router process; a counter makes it per request
-
-
-def request_id(given: bytes) -> str:
-    """The client's X-Request-Id when it is a sane token, else a fresh one."""
-    if given and len(given) <= 128 and given.isascii() and all(32 < c < 127 for c in given):
-        return given.decode()
-    return f"{_ID_PREFIX}{next(_IDS):08x}"
 
 
 class Limits(Protocol):
@@ -60,50 +48,13 @@ class Server(Protocol):
     async def handle(self, conn: ClientConn, req: Request) -> None: ...
 
 
-class Request:
-    __slots__ = ("method", "path", "query", "auth", "body", "keep_alive", "http11", "rid",
-                 "session", "trace")  # fmt: skip
-
-    def __init__(
-        self,
-        method: str,
-        url: str,
-        auth: bytes,
-        body: bytes,
-        keep_alive: bool,
-        rid: str,
-        http11: bool = True,
-        session: bytes = b"",
-        trace: bytes = b"",
-        api_key: bytes = b"",
-    ) -> None:
-        self.method, self.auth, self.body, self.keep_alive = method, auth, body, keep_alive
-        self.path, _, self.query = url.partition("?")
-        if api_key and not auth and speaks_anthropic(self.path):
-            # Anthropic's clients send their key as x-api-key: the server takes it as the
-            # bearer key on /v1/messages, and so do the router and the worker it forwards to
-            self.auth = b"Bearer " + api_key
-        self.http11, self.rid, self.session = http11, rid, session
-        self.trace = trace  # the client's W3C traceparent (b"": none)
-
-
-class Refusal:
-    """An error answer queued behind the pipelined requests before it; the connection ends
-    after it. `path`: the refused request's, where its URL was read (it chooses the shape)."""
-
-    __slots__ = ("status", "message", "headers", "path")
-
-    def __init__(self, status: int, message: str, headers: bytes = b"", path: str = "") -> None:
-        self.status, self.message, self.headers, self.path = status, message, headers, path
-
-
 class _Refused(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status, self.message = status, message
 
 
-class ClientConn(asyncio.Protocol):
+class ClientConn(Responses, asyncio.Protocol):
     """One client connection; requests on it are answered in order, one at a time."""
 
     def __init__(self, router: Server) -> None:
@@ -340,74 +291,3 @@ class ClientConn(asyncio.Protocol):
             self.start(self.pending.popleft())
         elif not self.refused:
             self._arm(self.router.config.keep_alive_timeout_secs)
-
-    # ----- writing -----
-
-    def send(
-        self,
-        status: int,
-        ctype: bytes | None,
-        body: bytes,
-        keep_alive: bool = True,
-        headers: bytes = b"",
-    ) -> None:
-        """A whole response; `ctype` None when `headers` carry the Content-Type. The connection
-        stays open only if both the caller and the request's client want it."""
-        keep_alive = keep_alive and self.keep_alive
-        if ctype is not None:
-            headers = b"Content-Type: %s\r\n%b" % (ctype, headers)
-        head = b"HTTP/1.1 %d %s\r\nContent-Length: %d\r\n%b" % (
-            (status, REASONS.get(status, b""), len(body), headers)
-        )
-        head += b"\r\n" if keep_alive else b"Connection: close\r\n\r\n"
-        self.write(head if self.head_only else head + body)
-        if not keep_alive and self.transport is not None:
-            self.transport.close()
-
-    def send_json(
-        self, status: int, obj: object, keep_alive: bool = True, headers: bytes = b""
-    ) -> None:
-        self.send(status, b"application/json", json.dumps(obj).encode(), keep_alive, headers)
-
-    def begin_stream(self, status: int, headers: bytes, http11: bool) -> None:
-        """Start a streamed answer; `headers` are complete header lines, Content-Type included."""
-        self.streaming, self.chunked = True, http11
-        framing = b"Transfer-Encoding: chunked\r\n" if http11 else b"Connection: close\r\n"
-        self.write(
-            b"HTTP/1.1 %d %s\r\n%b%bCache-Control: no-cache\r\n\r\n"
-            % (status, REASONS.get(status, b""), headers, framing)
-        )
-
-    def chunk(self, data: bytes) -> None:
-        if data:
-            self.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
-
-    def end_stream(self, keep_alive: bool) -> None:
-        self.streaming, keep_alive = False, keep_alive and self.keep_alive
-        if self.chunked:
-            self.write(b"0\r\n\r\n")
-        if (not keep_alive or not self.chunked) and self.transport is not None:
-            self.transport.close()
-
-    def abort_stream(self, status: int, message: str, keep_alive: bool, path: str) -> None:
-        """End a stream that cannot go on with the error event of the API at `path`, then a
-        properly ended body (no error page inside the event stream)."""
-        self.chunk(stream_end(path, status, message))
-        self.end_stream(keep_alive)
-
-    def write(self, data: bytes) -> None:
-        if self.transport is not None and not self.eof:
-            self.transport.write(data)
-
-
-# Hop-by-hop headers and those the router writes itself are not passed back.
-_HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"content-length",
-                  b"te", b"trailer", b"upgrade", b"proxy-authenticate", b"x-request-id"})  # fmt: skip
-
-
-def passback(headers: Headers, rid: str) -> bytes:
-    """The worker's response headers worth passing to the client, as header lines."""
-    lines = [n + b": " + v + b"\r\n" for n, v in headers if n not in _HOP]
-    if not any(n == b"content-type" for n, _ in headers):
-        lines.append(b"Content-Type: application/json\r\n")
-    return b"".join(lines) + b"X-Request-Id: " + rid.encode() + b"\r\n"
