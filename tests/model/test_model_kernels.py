@@ -103,6 +103,11 @@ def test_kernel_refuses_heads_it_cannot_group(kernel):
         kernel.decode_attention(
             q, kv, kv, torch.arange(3), torch.tensor([0, 3]), 0.125, torch.empty_like(q)
         )
+    q, kv = torch.randn(1, 4, 60), torch.randn(10, 2, 60)
+    with pytest.raises(ValueError, match="of dim 60"):  # head dims are taken in steps of 8
+        kernel.decode_attention(
+            q, kv, kv, torch.arange(3), torch.tensor([0, 3]), 0.125, torch.empty_like(q)
+        )
 
 
 def test_a_machine_without_a_compiler_falls_back_to_pytorch(tmp_path, monkeypatch, caplog):

@@ -11,8 +11,10 @@ deliver them.
 - Decode attention: PyTorch's CPU flash kernel, called per request, splits one decode row into
   (KV heads) work items, three for SmolLM2, so two threads share three items and every call
   pays its own start-up; a padded batched call reads K/V copied out of the pool first.
-  ``radixserve_decode_attention_f32`` reads the pool in place by slot and shares (row, KV
-  head) items over the threads in one call per layer.
+  ``radixserve_decode_attention_f32`` reads the pool in place by slot, one call per layer: each
+  row's keys split into chunks (about 4 work items per thread), every head of a chunk together
+  so each slot's K/V rows are read whole (scattered slots cost what contiguous ones do), the
+  chunks merged by their log-sum-exps.
 - The small per-layer ops (rms_norm with the residual add, rope with the K/V store, silu(gate)
   * up) in one call each, where PyTorch runs a few ops, each its own parallel region.
 All run on PyTorch's own OpenMP runtime (one thread pool). The maintained kernel packages on

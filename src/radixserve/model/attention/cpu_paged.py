@@ -16,8 +16,8 @@ from radixserve.sched.batch import BatchEntry
 
 class CpuPaged(CpuPrefix):
     """Decodes through radixserve's C++ kernel (``model/kernels.py``): one call per layer
-    reads every decode's context from the pool in place, by slot, with the (row, KV head)
-    pairs shared out over the torch threads; no gather, no padding, no per-request buffer.
+    reads every decode's context from the pool in place, by slot, with chunks of the rows' keys
+    shared out over the torch threads; no gather, no padding, no per-request buffer.
     Float32 weights and KV only. Prefill spans as in ``cpu-prefix``."""
 
     name = "cpu-paged"

@@ -7,11 +7,14 @@
 // (a decode step's few rows: one pass over the weights, which is what bounds it). More rows go
 // 6 at a time, 96 rows per pass so their x stays in cache while the blocks stream by.
 //
-// Decode attention: one query token per row, each row's context given as a list of pool slots. Work items are (row, KV head) pairs shared out
-// over the OpenMP threads (the same runtime PyTorch uses, so no second thread pool); each item
-// streams its keys in blocks with an online softmax (running max and sum), so no score matrix
-// and no gathered copy of K/V is ever made. Float32 only; the query heads of one KV head are
-// processed together, so every K/V row read serves all of them.
+// Decode attention: one query token per row, each row's context given as a list of pool slots.
+// A row's keys are split into chunks (flash-decoding's split: about 4 work items per thread,
+// whatever the rows' lengths) shared out over the OpenMP threads (the same runtime PyTorch
+// uses, so no second thread pool), then each row's chunks are merged by their log-sum-exps.
+// An item takes every head of its row, so each slot's K and V rows (all KV heads) are read
+// whole and in order, wherever the slots lie in the pool; it scores 8 keys at a time with the
+// 8 dot products finished together, keeps a running max and sum (online softmax, no score
+// matrix, no gathered copy of K/V) and accumulates the output in registers. Float32 only.
 //
 // Built at first use by radixserve.model.kernels with the machine's C++ compiler
 // (-O3 -march=native -fopenmp); called through ctypes with raw pointers.
@@ -20,6 +23,11 @@
 #include <cstdint>
 #include <cstring>
 #include <omp.h>
+
+#include <vector>
+#ifdef __AVX__
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -67,8 +75,8 @@ const tile_fn kTiles[9] = {nullptr,         linear_tile<1>, linear_tile<2>,
                            linear_tile<3>,  linear_tile<4>, linear_tile<5>,
                            linear_tile<6>,  linear_tile<7>, linear_tile<8>};
 
-constexpr int kBlock = 32;     // keys scored per pass
-constexpr int kMaxGroup = 16;  // query heads per KV head
+constexpr int kKeys = 32;        // keys scored per pass (a multiple of 8)
+constexpr int64_t kMinChunk = 64;  // fewest keys a work item takes
 
 // exp(x) by the Cody-Waite reduction and a degree-6 polynomial: plain arithmetic, so the loops
 // that call it vectorize. Relative error about 2e-7; x is clamped to [-87, 88] (exp(-87) is
@@ -91,85 +99,189 @@ inline float exp_approx(float x) {
   return p * scale;
 }
 
-template <int D>
-inline float dot(const float* __restrict a, const float* __restrict b, int d) {
-  float s = 0.f;
-  const int n = D > 0 ? D : d;
-#pragma omp simd reduction(+ : s)
-  for (int i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
+// exp_approx over 8 lanes, written out on vectors (GCC does not vectorize the scalar one's
+// clamp and rounding): the same arithmetic, rounding to nearest by the 1.5 * 2^23 trick.
+typedef int32_t v8i __attribute__((vector_size(32)));
+inline v8f exp8(v8f x) {
+  const v8f lo = v8f{} - 87.f, hi = v8f{} + 88.f, magic = v8f{} + 12582912.f;
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  const v8f n = (x * 1.44269504088896341f + magic) - magic;
+  v8f r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  v8f p = v8f{} + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
+  v8f scale;
+  __builtin_memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
 }
 
-template <int D>
-void one_item(const float* __restrict q, const float* __restrict k, const float* __restrict v,
-              const int64_t* __restrict slots, int64_t len, int group, int d, int64_t row_stride,
-              float scale, float* __restrict out, float* __restrict lse) {
-  const int n = D > 0 ? D : d;
-  float m[kMaxGroup], l[kMaxGroup];
-  float s[kMaxGroup][kBlock];
-  // the running output lives in `out` itself
-  for (int g = 0; g < group; ++g) {
-    m[g] = -INFINITY;
-    l[g] = 0.f;
-    for (int i = 0; i < n; ++i) out[g * n + i] = 0.f;
+// lane j of the result = the sum of the lanes of a[j]: eight dot products finished at once
+inline v8f sum_lanes8(const v8f* a) {
+#ifdef __AVX__
+  const __m256 t0 = _mm256_hadd_ps((__m256)a[0], (__m256)a[1]);
+  const __m256 t1 = _mm256_hadd_ps((__m256)a[2], (__m256)a[3]);
+  const __m256 t2 = _mm256_hadd_ps((__m256)a[4], (__m256)a[5]);
+  const __m256 t3 = _mm256_hadd_ps((__m256)a[6], (__m256)a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return (v8f)_mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                            _mm256_permute2f128_ps(u0, u1, 0x31));
+#else
+  v8f r;
+  for (int j = 0; j < 8; ++j) {
+    float s = 0.f;
+    for (int i = 0; i < 8; ++i) s += a[j][i];
+    r[j] = s;
   }
-  for (int64_t j0 = 0; j0 < len; j0 += kBlock) {
-    const int nb = (int)((len - j0) < kBlock ? (len - j0) : kBlock);
-    for (int j = 0; j < nb; ++j) {
-      const float* kr = k + slots[j0 + j] * row_stride;
-      for (int g = 0; g < group; ++g) s[g][j] = dot<D>(q + g * n, kr, n) * scale;
+  return r;
+#endif
+}
+
+// scores s[0..nb) of one query head q [d] against the keys at rows kr[j] (d = 8 * nc)
+template <int NC>
+inline void scores(const float* __restrict q, const float* const* kr, int nb, int nc,
+                   float scale, float* __restrict s) {
+  const int n = NC > 0 ? NC : nc;
+  for (int j0 = 0; j0 < nb; j0 += 8) {
+    const float* r[8];
+    for (int j = 0; j < 8; ++j) r[j] = kr[j0 + j < nb ? j0 + j : nb - 1];  // tail: repeats
+    v8f acc[8] = {};
+    for (int c = 0; c < n; ++c) {
+      const v8f qc = load8(q + 8 * c);
+      for (int j = 0; j < 8; ++j) acc[j] += qc * load8(r[j] + 8 * c);
     }
-    for (int g = 0; g < group; ++g) {
-      float mb = m[g];
-      for (int j = 0; j < nb; ++j) mb = s[g][j] > mb ? s[g][j] : mb;
-      const float corr = m[g] == -INFINITY ? 0.f : exp_approx(m[g] - mb);
-      float sum = 0.f;
-      float* sg = s[g];
-#pragma omp simd reduction(+ : sum)
+    store8(s + j0, sum_lanes8(acc) * scale);  // s has room for a whole group of 8
+  }
+}
+
+// o [d] = o * corr + sum_j p[j] v at rows vr[j], 64 floats of o held in registers at a time
+template <int NC>
+inline void weighted_sum(const float* p, const float* const* vr, int nb, int nc, float corr,
+                         float* __restrict o) {
+  const int n = NC > 0 ? NC : nc;
+  for (int c0 = 0; c0 < n; c0 += 8) {
+    const int w = n - c0 < 8 ? n - c0 : 8;
+    v8f acc[8];
+    for (int c = 0; c < w; ++c) acc[c] = load8(o + 8 * (c0 + c)) * corr;
+    for (int j = 0; j < nb; ++j) {
+      const float pj = p[j];
+      const float* r = vr[j] + 8 * c0;
+      for (int c = 0; c < w; ++c) acc[c] += pj * load8(r + 8 * c);
+    }
+    for (int c = 0; c < w; ++c) store8(o + 8 * (c0 + c), acc[c]);
+  }
+}
+
+// s[0..nb) -> exp(s - mb), mb = the larger of m and their maximum (returned); s has room for
+// whole groups of 8, whose unused lanes are set to -inf first.
+inline float softmax_block(float* s, int nb, float m) {
+  for (int j = nb; j % 8; ++j) s[j] = -INFINITY;
+  v8f mv = v8f{} + m;
+  for (int j = 0; j < nb; j += 8) {
+    const v8f x = load8(s + j);
+    mv = x > mv ? x : mv;
+  }
+  float mb = m;
+  for (int i = 0; i < 8; ++i) mb = mv[i] > mb ? mv[i] : mb;
+  for (int j = 0; j < nb; j += 8) store8(s + j, exp8(load8(s + j) - mb));
+  return mb;
+}
+
+// One work item: every query head of one row against `n` keys of its context (pool slots
+// `slots`), all KV heads, so the slots' K/V rows are read whole and in order. Leaves the
+// unnormalised output o [heads][d] and each head's running max m and sum l.
+template <int NC>
+void attend_chunk(const float* __restrict q, const float* k, const float* v,
+                  const int64_t* slots, int64_t n, int heads, int kv_heads, int d, float scale,
+                  float* __restrict o, float* __restrict m, float* __restrict l) {
+  const int group = heads / kv_heads;
+  const int64_t row = (int64_t)kv_heads * d;
+  for (int i = 0; i < heads * d; ++i) o[i] = 0.f;
+  for (int hq = 0; hq < heads; ++hq) m[hq] = -INFINITY, l[hq] = 0.f;
+  const float* kr[kKeys];
+  const float* vr[kKeys];
+  float s[kKeys];
+  for (int64_t j0 = 0; j0 < n; j0 += kKeys) {
+    const int nb = (int)(n - j0 < kKeys ? n - j0 : kKeys);
+    for (int h = 0; h < kv_heads; ++h) {
       for (int j = 0; j < nb; ++j) {
-        sg[j] = exp_approx(sg[j] - mb);
-        sum += sg[j];
+        kr[j] = k + slots[j0 + j] * row + (int64_t)h * d;
+        vr[j] = v + slots[j0 + j] * row + (int64_t)h * d;
       }
-      l[g] = l[g] * corr + sum;
-      m[g] = mb;
-      if (corr != 1.f) {
-        float* o = out + g * n;
-#pragma omp simd
-        for (int i = 0; i < n; ++i) o[i] *= corr;
-      }
-    }
-    for (int j = 0; j < nb; ++j) {
-      const float* vr = v + slots[j0 + j] * row_stride;
-      for (int g = 0; g < group; ++g) {
-        const float p = s[g][j];
-        float* o = out + g * n;
-#pragma omp simd
-        for (int i = 0; i < n; ++i) o[i] += p * vr[i];
+      for (int hq = h * group; hq < (h + 1) * group; ++hq) {
+        scores<NC>(q + (int64_t)hq * d, kr, nb, d / 8, scale, s);
+        const float mb = softmax_block(s, nb, m[hq]);
+        const float corr = m[hq] == -INFINITY ? 0.f : exp_approx(m[hq] - mb);
+        float sum = 0.f;
+        for (int j = 0; j < nb; ++j) sum += s[j];
+        l[hq] = l[hq] * corr + sum;
+        m[hq] = mb;
+        weighted_sum<NC>(s, vr, nb, d / 8, corr, o + (int64_t)hq * d);
       }
     }
-  }
-  for (int g = 0; g < group; ++g) {
-    const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-    float* o = out + g * n;
-    for (int i = 0; i < n; ++i) o[i] *= inv;
-    if (lse != nullptr) lse[g] = m[g] + std::log(l[g]);
   }
 }
 
-template <int D>
+// A row's chunks (o, m, l each) merged by their maxima into out [heads][d] and lse [heads].
+void merge_chunks(const float* part, int chunks, int heads, int d, float* out, float* lse) {
+  const int64_t stride = (int64_t)heads * (d + 2);
+  for (int hq = 0; hq < heads; ++hq) {
+    float mx = -INFINITY;
+    for (int c = 0; c < chunks; ++c) mx = std::fmax(mx, part[c * stride + heads * d + hq]);
+    float total = 0.f;
+    float* o = out + (int64_t)hq * d;
+    for (int i = 0; i < d; ++i) o[i] = 0.f;
+    for (int c = 0; c < chunks && mx != -INFINITY; ++c) {
+      const float* pc = part + c * stride;
+      const float w = std::exp(pc[heads * d + hq] - mx);
+      total += w * pc[heads * d + heads + hq];
+      for (int i = 0; i < d; ++i) o[i] += w * pc[(int64_t)hq * d + i];
+    }
+    const float inv = total > 0.f ? 1.f / total : 0.f;
+    for (int i = 0; i < d; ++i) o[i] *= inv;
+    if (lse != nullptr) lse[hq] = mx + std::log(total);
+  }
+}
+
+// Rows split into chunks of `chunk` keys (at least one per row), computed as independent
+// items (flash-decoding's split), then each row's chunks merged; one parallel region.
+template <int NC>
 void run(const float* q, const float* k, const float* v, const int64_t* slots,
          const int64_t* offsets, int rows, int heads, int kv_heads, int d, float scale,
          float* out, float* lse, int threads) {
-  const int group = heads / kv_heads;
-  const int64_t row_stride = (int64_t)kv_heads * d;
-  const int items = rows * kv_heads;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-  for (int it = 0; it < items; ++it) {
-    const int r = it / kv_heads, h = it % kv_heads;
-    const int64_t first = offsets[r], len = offsets[r + 1] - first;
-    const int64_t at = ((int64_t)r * heads + (int64_t)h * group) * d;
-    one_item<D>(q + at, k + (int64_t)h * d, v + (int64_t)h * d, slots + first, len, group, d,
-                row_stride, scale, out + at, lse ? lse + (int64_t)r * heads + h * group : nullptr);
+  const int64_t total = offsets[rows] - offsets[0];
+  int64_t chunk = (total + 4 * threads - 1) / (4 * threads);  // about 4 items per thread
+  chunk = chunk < kMinChunk ? kMinChunk : (chunk + kKeys - 1) / kKeys * kKeys;
+  std::vector<int> first(rows + 1, 0), owner;
+  for (int r = 0; r < rows; ++r) {
+    const int64_t len = offsets[r + 1] - offsets[r];
+    const int n = len > chunk ? (int)((len + chunk - 1) / chunk) : 1;
+    first[r + 1] = first[r] + n;
+    owner.insert(owner.end(), n, r);
+  }
+  const int items = first[rows];
+  const int64_t stride = (int64_t)heads * (d + 2);
+  std::vector<float> part((size_t)items * stride);
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for schedule(dynamic, 1)
+    for (int it = 0; it < items; ++it) {
+      const int r = owner[it];
+      const int64_t j0 = (int64_t)(it - first[r]) * chunk;
+      const int64_t len = offsets[r + 1] - offsets[r], n = len - j0 < chunk ? len - j0 : chunk;
+      float* p = part.data() + it * stride;
+      attend_chunk<NC>(q + (int64_t)r * heads * d, k, v, slots + offsets[r] + j0, n, heads,
+                       kv_heads, d, scale, p, p + heads * d, p + heads * d + heads);
+    }
+#pragma omp for schedule(static)
+    for (int r = 0; r < rows; ++r)
+      merge_chunks(part.data() + first[r] * stride, first[r + 1] - first[r], heads, d,
+                   out + (int64_t)r * heads * d, lse ? lse + (int64_t)r * heads : nullptr);
   }
 }
 
@@ -222,13 +334,12 @@ int radixserve_decode_attention_f32(const float* q, const float* k, const float*
                                     const int64_t* slots, const int64_t* offsets, int rows,
                                     int heads, int kv_heads, int d, float scale, float* out,
                                     float* lse, int threads) {
-  if (kv_heads <= 0 || heads % kv_heads != 0 || heads / kv_heads > kMaxGroup || d <= 0)
-    return -1;
+  if (kv_heads <= 0 || heads % kv_heads != 0 || d <= 0 || d % 8 != 0) return -1;
   if (threads < 1) threads = 1;
   if (d == 64)
-    run<64>(q, k, v, slots, offsets, rows, heads, kv_heads, d, scale, out, lse, threads);
+    run<8>(q, k, v, slots, offsets, rows, heads, kv_heads, d, scale, out, lse, threads);
   else if (d == 128)
-    run<128>(q, k, v, slots, offsets, rows, heads, kv_heads, d, scale, out, lse, threads);
+    run<16>(q, k, v, slots, offsets, rows, heads, kv_heads, d, scale, out, lse, threads);
   else
     run<0>(q, k, v, slots, offsets, rows, heads, kv_heads, d, scale, out, lse, threads);
   return 0;
@@ -278,8 +389,12 @@ void radixserve_silu_mul_f32(const float* gu, int T, int I, float* out, int thre
     const float* g = gu + (int64_t)t * 2 * I;
     const float* u = g + I;
     float* o = out + (int64_t)t * I;
-#pragma omp simd
-    for (int i = 0; i < I; ++i) o[i] = g[i] / (1.f + exp_approx(-g[i])) * u[i];
+    int i = 0;
+    for (; i + 8 <= I; i += 8) {
+      const v8f gi = load8(g + i);
+      store8(o + i, gi / (1.f + exp8(-gi)) * load8(u + i));
+    }
+    for (; i < I; ++i) o[i] = g[i] / (1.f + exp_approx(-g[i])) * u[i];
   }
 }
 
