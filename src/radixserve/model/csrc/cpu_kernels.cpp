@@ -75,6 +75,37 @@ const tile_fn kTiles[9] = {nullptr,         linear_tile<1>, linear_tile<2>,
                            linear_tile<3>,  linear_tile<4>, linear_tile<5>,
                            linear_tile<6>,  linear_tile<7>, linear_tile<8>};
 
+// linear_tile for a decode step's few rows (up to 8), which stream the weights from memory at
+// 16 multiply-adds per cache line: each line is prefetched 64 lines ahead (the hardware
+// prefetcher alone left one thread at 6.5 GB/s on this EPYC, 8.6 GB/s with it).
+constexpr int kPrefetchAhead = 64 * kCols;  // floats
+
+template <int R>
+void stream_tile(const float* __restrict x, const float* __restrict w, int K,
+                 float* __restrict y, int64_t ldy, int ncols) {
+  v8f a0[R], a1[R];
+  for (int m = 0; m < R; ++m) a0[m] = a1[m] = v8f{};
+  for (int k = 0; k < K; ++k) {
+    __builtin_prefetch(w + k * kCols + kPrefetchAhead);
+    const v8f w0 = load8(w + k * kCols), w1 = load8(w + k * kCols + 8);
+    for (int m = 0; m < R; ++m) {
+      const float s = x[(int64_t)m * K + k];
+      a0[m] += w0 * s;
+      a1[m] += w1 * s;
+    }
+  }
+  float t[kCols];
+  for (int m = 0; m < R; ++m) {
+    store8(t, a0[m]);
+    store8(t + 8, a1[m]);
+    std::memcpy(y + m * ldy, t, sizeof(float) * ncols);
+  }
+}
+
+const tile_fn kStreamTiles[9] = {nullptr,         stream_tile<1>, stream_tile<2>,
+                                 stream_tile<3>,  stream_tile<4>, stream_tile<5>,
+                                 stream_tile<6>,  stream_tile<7>, stream_tile<8>};
+
 constexpr int kKeys = 32;        // keys scored per pass (a multiple of 8)
 constexpr int64_t kMinChunk = 64;  // fewest keys a work item takes
 
@@ -317,7 +348,7 @@ void radixserve_linear_f32(const float* x, int M, int K, const float* packed, in
       const int ncols = N - b * kCols < kCols ? N - b * kCols : kCols;
       float* yb = y + (int64_t)m0 * N + b * kCols;
       if (rows <= 8) {  // a decode step: every weight read once
-        kTiles[rows](xb, w, K, yb, N, ncols);
+        kStreamTiles[rows](xb, w, K, yb, N, ncols);
         continue;
       }
       int m = 0;
