@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from array import array
+
 import pytest
 
 from radixserve.cache.pool import RequestSlotTable, SlotAllocator, SlotError
+from radixserve.cache.tokens import SLOT_CODE, slot_iota
 
 
 def test_token_granular_alloc_free() -> None:
@@ -87,3 +90,19 @@ def test_a_run_with_one_freed_page_inside_is_refused_whole(page_size: int) -> No
     assert alloc.available() == 64
     again = alloc.alloc(64)
     assert sorted(again) == list(range(64))  # every slot comes back exactly once
+
+
+@pytest.mark.parametrize(
+    "lo,hi", [(0, 0), (0, 63), (0, 64), (5, 4101), (4096, 4096 * 3 + 17), (2**62, 2**62 + 5000)]
+)
+def test_slot_iota_is_the_ids_in_order(lo: int, hi: int) -> None:
+    assert slot_iota(lo, hi) == array(SLOT_CODE, range(lo, hi)).tobytes()
+
+
+def test_a_large_pool_filled_a_page_at_a_time_hands_out_every_slot_once() -> None:
+    # the host tier's case: ids built in steps as the pool fills, never repeated or skipped
+    alloc = SlotAllocator(70_000, 16)
+    slots = array(SLOT_CODE)
+    while alloc.available():
+        slots += alloc.alloc(min(16 * 7, alloc.available()))
+    assert slots == array(SLOT_CODE, range(70_000 - 70_000 % 16))

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from itertools import repeat
 from operator import floordiv
 
-from radixserve.cache.tokens import SLOT_CODE
+from radixserve.cache.tokens import SLOT_CODE, slot_iota
 
 _W = array(SLOT_CODE).itemsize  # bytes per slot id
 MARK_PIECE = 32  # pages below which _mark sets flags one by one rather than look for runs
@@ -110,7 +110,7 @@ class SlotAllocator:
         if have < n:  # grown by an eighth at least: a pool filled a few pages at a time (the
             # host tier) builds its ids in a few dozen calls, not one per allocation
             n = min(max(n, have + (have >> 3) + IOTA_MIN_GROWTH), self.num_pages * self.page_size)
-            self._iota += array(SLOT_CODE, range(have, n)).tobytes()
+            self._iota += slot_iota(have, n)
 
     def _gather(self, pages: array, n: int) -> array:
         """The first ``n`` slots of scattered ``pages``: each page's bytes are cut from the ids
