@@ -28,9 +28,10 @@ The host tier itself is the engines' own (the real scheduler's HiCache tier, ena
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import repeat, takewhile
 
 from radixserve.config import check_fields
 from radixserve.sim.costmodel import CostModel, TierSpec
@@ -110,19 +111,18 @@ class SimStore:
         first blocks (a prompt's, when its reply is appended)."""
         b, out = self.block, list(head)
         prev = out[-1] if out else 0
-        for start in range(len(out) * b, len(tokens) - b + 1, b):
-            prev = hash((prev, tuple(tokens[start : start + b])))
+        start = len(out) * b
+        rest = tuple(tokens[start : len(tokens) - (len(tokens) - start) % b])
+        # the blocks as tuples, cut in C (zip of one iterator b times); a key is the hash of
+        # (the previous key, the block), as a tuple of the block's ints would hash
+        for block in zip(*[iter(rest)] * b):
+            prev = hash((prev, block))
             out.append(prev)
         return out
 
     def leading(self, keys: Sequence[int]) -> int:
         """How many of ``keys``, from the first, the store holds."""
-        n = 0
-        for k in keys:
-            if k not in self._lru:
-                break
-            n += 1
-        return n
+        return len(list(takewhile(self._lru.__contains__, keys)))
 
     def read_blocks(self, keys: Sequence[int]) -> None:
         """A get of ``keys`` (held when it started): those still held become the most
@@ -137,9 +137,10 @@ class SimStore:
         """Put ``keys``' blocks (those already held are only touched), then evict to capacity."""
         lru = self._lru
         self.written += self._touch(keys)
-        while len(lru) > self.capacity:
-            lru.popitem(last=False)
-            self.evicted += 1
+        over = len(lru) - self.capacity
+        if over > 0:  # the least recently used go, popped in C
+            deque(map(lru.popitem, repeat(False, over)), maxlen=0)
+            self.evicted += over
 
     def _touch(self, keys: Sequence[int]) -> int:
         """Make ``keys`` the most recently used, adding those not held; returns how many were
