@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from array import array
 
 import pytest
@@ -106,3 +107,26 @@ def test_a_large_pool_filled_a_page_at_a_time_hands_out_every_slot_once() -> Non
     while alloc.available():
         slots += alloc.alloc(min(16 * 7, alloc.available()))
     assert slots == array(SLOT_CODE, range(70_000 - 70_000 % 16))
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_alloc_many_hands_out_what_one_alloc_each_would(page_size: int) -> None:
+    """A decode run allocates for all its requests at once: the same slots, the same pool."""
+    rng = random.Random(page_size)
+    one, many = SlotAllocator(4096, page_size), SlotAllocator(4096, page_size)
+    held: list[array] = []
+    for _ in range(400):
+        if held and rng.random() < 0.45:  # scatter the free list as finished requests do
+            run = held.pop(rng.randrange(len(held)))
+            one.free(run), many.free(run)
+            continue
+        counts = [rng.choice([0, 1, 3, page_size, page_size + 1, 40]) for _ in range(4)]
+        if sum(-(-n // page_size) for n in counts) * page_size > one.available():
+            continue
+        got = many.alloc_many(counts)
+        assert got == [one.alloc(n) for n in counts]
+        held += got
+        assert one.available() == many.available()
+    for run in held:
+        one.free(run), many.free(run)
+    assert one.available() == many.available() == 4096

@@ -92,6 +92,42 @@ class SlotAllocator:
             return taken
         return self._slots_of(taken, num_tokens)
 
+    def alloc_many(self, counts: Sequence[int]) -> list[array]:
+        """``[alloc(n) for n in counts]``: the same slots, in the same order, with one flag pass
+        and one gather for all (a decode run's pages, one allocation per request)."""
+        p = self.page_size
+        each = [-(-n // p) for n in counts]
+        if len(counts) < 2 or min(counts) < 0 or sum(each) > self.available() // p:
+            return [self.alloc(n) for n in counts]  # errors as the allocation at fault has them
+        buf, top, fresh = self._free_buf, self._nfree, self._fresh
+        taken = []
+        for k in each:  # each alloc takes the top of the freed stack, then never-used pages
+            reused = k if k <= top else top
+            part = buf[top - reused : top]
+            top -= reused
+            if k > reused:
+                part += self._ids_of_pages(fresh, fresh + k - reused)
+                fresh += k - reused
+            taken.append(part)
+        self._nfree, self._fresh = top, fresh
+        pages = array(SLOT_CODE)
+        for part in taken:
+            pages += part
+        self._mark(pages, 1)
+        if p == 1:
+            return taken
+        raw, size, out, off = self._page_bytes_of(pages), p * _W, [], 0
+        for n, k in zip(counts, each):
+            slots = array(SLOT_CODE)
+            slots.frombytes(raw[off : off + n * _W])
+            out.append(slots)
+            off += k * size
+        return out
+
+    def _ids_of_pages(self, lo: int, hi: int) -> array:
+        self._iota_to(hi * self.page_size)
+        return self._ids(lo, hi)
+
     def _take(self, pages: int) -> array:
         """The next ``pages`` free pages in handing-out order (there are enough)."""
         n = self._nfree
@@ -113,17 +149,22 @@ class SlotAllocator:
             self._iota += slot_iota(have, n)
 
     def _gather(self, pages: array, n: int) -> array:
-        """The first ``n`` slots of scattered ``pages``: each page's bytes are cut from the ids
-        once (for the pages handed out so far), then joined in one C-level pass."""
+        """The first ``n`` slots of scattered ``pages``, as an array."""
+        out = array(SLOT_CODE)
+        out.frombytes(self._page_bytes_of(pages))
+        del out[n:]
+        return out
+
+    def _page_bytes_of(self, pages: Sequence[int]) -> bytes:
+        """The slots of ``pages`` (handed out before), as raw bytes: each page's bytes are cut
+        from the ids once (for the pages handed out so far), then joined in one C-level pass."""
         pb, size = self._page_bytes, self.page_size * _W
         if len(pb) < self._fresh:
+            self._iota_to(self._fresh * self.page_size)
             with memoryview(self._iota) as view:
                 cut = range(len(pb) * size, self._fresh * size, size)
                 pb += [view[i : i + size].tobytes() for i in cut]
-        out = array(SLOT_CODE)
-        out.frombytes(b"".join(map(pb.__getitem__, pages)))
-        del out[n:]
-        return out
+        return b"".join(map(pb.__getitem__, pages))
 
     def _ids(self, lo: int, hi: int) -> array:
         """The ids lo, lo + 1, ..., hi - 1 (all below what ``_iota_to`` made), as an array."""
@@ -188,20 +229,22 @@ class SlotAllocator:
         self._push_free(pages)
 
     def _free_run(self, slots: Sequence[int]) -> bool:
-        """Free ``slots`` at C speed if they are one ascending run of whole pages, all in use
-        (an evicted leaf, a finished request's own slots); False (nothing done) otherwise."""
+        """Free ``slots`` at C speed if they are one ascending run of pages from a page's first
+        slot (the last page may end early: its tail is the owner's), all in use (an evicted
+        leaf, a finished request's own slots); False (nothing done) otherwise."""
         p, lo, n = self.page_size, slots[0], len(slots)
         hi = lo + n  # exclusive
-        if lo < 0 or lo % p or hi % p or hi * _W > len(self._iota) or slots[-1] != hi - 1:
+        if lo < 0 or lo % p or hi * _W > len(self._iota) or slots[-1] != hi - 1:
             return False
         if type(slots) is not array or slots.typecode != SLOT_CODE:
             return False
         if not self._iota.startswith(slots, lo * _W):  # a memcmp in place
             return False
-        if self._in_use.find(0, lo // p, hi // p) >= 0:
+        first, end = lo // p, -(-hi // p)
+        if self._in_use.find(0, first, end) >= 0:
             return False  # a page not in use: the slow path names it
-        self._in_use[lo // p : hi // p] = bytes(n // p)
-        self._push_free(slots if p == 1 else self._ids(lo // p, hi // p))
+        self._in_use[first:end] = bytes(end - first)
+        self._push_free(slots if p == 1 else self._ids(first, end))
         return True
 
     def _push_free(self, pages: array) -> None:
@@ -227,10 +270,11 @@ class SlotAllocator:
         if type(slots) is not array or slots.typecode != SLOT_CODE:
             return None
         firsts = slots[::p]
-        if min(firsts) < 0 or max(firsts) >= self._fresh * p:  # never handed out: slow path
+        if not firsts or min(firsts) < 0 or max(firsts) >= self._fresh * p:  # slow path
             return None
         pages = array(SLOT_CODE, map(floordiv, firsts, repeat(p)))
-        if self._slots_of(pages, len(slots)).tobytes() != slots.tobytes():  # a memcmp
+        # the pages' own slots start with ``slots`` (a partial last page included): a memcmp
+        if not self._page_bytes_of(pages).startswith(slots):
             return None
         return pages
 
@@ -274,6 +318,19 @@ class RequestSlotTable:
         p = self.allocator.page_size
         short = n - (-(len(e.slots) - e.owned_from) % p)  # minus the room left in the last page
         return -(-short // p) * p if short > 0 else 0
+
+    def extend_all(self, rids: Iterable[str], n: int) -> None:
+        """``extend(rid, n)`` for each of ``rids``, in order (the same slots), allocating the
+        new pages of all at once."""
+        entries = [self._entries[rid] for rid in rids]
+        p = self.allocator.page_size
+        rooms = [min(-(len(e.slots) - e.owned_from) % p, n) for e in entries]
+        fresh = self.allocator.alloc_many([n - room for room in rooms])
+        for e, room, new in zip(entries, rooms, fresh):
+            slots = e.slots
+            if room:
+                slots.extend(range(slots[-1] + 1, slots[-1] + 1 + room))
+            slots += new
 
     def extend(self, rid: str, n: int) -> array:
         """Slots for ``n`` more positions: the rest of the last owned page first, then new pages."""

@@ -81,6 +81,10 @@ class RunEvictions:
         """The first step not begun that will evict (None: none will)."""
         free, rooms, page = self.kv.allocator.available(), self.rooms, self.kv.page
         lo, hi = self.begun, self.steps  # run_need(lo) <= free: the steps begun have evicted
+        if len(rooms) == 1:  # one request: its step past room + the free pages takes a page
+            first = rooms[0] + free // page * page + 1
+            if first > lo:
+                return first if first <= hi else None
         if run_need(rooms, page, hi) <= free:
             return None
         while hi - lo > 1:
@@ -107,11 +111,11 @@ def apply_run(running: RunningSet, kv: KVManager, tokens: Sequence[Sequence[int]
     """Apply ``len(tokens[0])`` decode steps: ``tokens[i]`` are the next tokens of the i-th
     decoding request (``running.decoding`` order). Returns the number of steps."""
     steps = len(tokens[0])
-    table = kv.table
-    for (rid, req), toks in zip(running.decoding.items(), tokens, strict=True):
-        if len(toks) != steps:
-            raise ValueError("every decoding request needs the same number of tokens")
-        table.extend(rid, steps)
+    decoding = running.decoding
+    if len(tokens) != len(decoding) or any(len(toks) != steps for toks in tokens):
+        raise ValueError("every decoding request needs the same number of tokens")
+    kv.table.extend_all(decoding, steps)
+    for req, toks in zip(decoding.values(), tokens):
         req.kv_len += steps
         req.output_ids.extend(toks)
     running.decay(steps)
