@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from array import array
 
 import pytest
@@ -308,3 +309,28 @@ def test_ids_in_an_array_of_the_key_type_match_like_a_list() -> None:
     assert list(cache.match_prefix(seq).slots) == list(range(30)) + list(range(130, 150))
     assert cache.match_prefix(array("q", seq)).length == 50  # another typecode: converted
     cache.check_integrity()
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_insert_and_match_leaves_the_tree_as_insert_then_match(policy: str, page_size: int) -> None:
+    """The scheduler caches a request with one walk: every later eviction and match is the
+    same as after an insert and a match of the same tokens."""
+    rng = random.Random(f"{policy}{page_size}")
+    config = CacheConfig(page_size=page_size, radix_eviction_policy=policy)
+    two, one = RadixCache(config), RadixCache(config)
+    for i in range(60):
+        base = rng.choice([[1, 2, 3, 4] * 3, [5, 6, 7, 8] * 2, []])
+        seq = base + [rng.randrange(20) for _ in range(rng.randrange(1, 12))]
+        slots = list(range(1000 * i, 1000 * i + len(seq)))
+        two.insert(seq, slots)
+        want = two.match_prefix(seq)
+        got = one.insert_and_match(seq, slots)
+        assert (got.length, list(got.slots)) == (want.length, list(want.slots))
+        if rng.random() < 0.3:
+            n = rng.randrange(1, 10)
+            assert list(one.evict(n)) == list(two.evict(n))
+    while one.total_size():
+        assert list(one.evict(1)) == list(two.evict(1))
+    assert two.total_size() == 0
+    one.check_integrity()

@@ -197,12 +197,49 @@ class RadixCache(HostTreeMixin, HostRoomMixin):
         """Cache ``tokens`` -> ``slots`` (whole pages); returns how many leading tokens were
         already cached, whose slots in ``slots`` the caller must free if they are its own.
         ``priority`` (the request's) raises the priority of every node on the path."""
+        return self._insert(tokens, slots, namespace, priority)[0]
+
+    def insert_and_match(
+        self,
+        tokens: Sequence[int],
+        slots: Sequence[int],
+        namespace: Hashable | None = None,
+        priority: int = 0,
+    ) -> MatchResult:
+        """``insert``, then ``match_prefix`` of the same tokens, without walking the tree twice:
+        the match's effects (a fresh access tick and a hit on each node of the path, root
+        first) are made on the path the insert ends at."""
+        _, node, pos = self._insert(tokens, slots, namespace, priority)
+        self._tick = tick = self._tick + 1
+        if not pos:
+            return MatchResult(node, 0)
+        path = []
+        while node.key:
+            path.append(node)
+            node = node.parent  # type: ignore[assignment]
+        benefit, rekey = self._benefit, self._rekey_on_access
+        for child in reversed(path):
+            child.last_access = tick
+            child.hits += 1
+            if benefit:
+                add_hit(child, tick)
+            if rekey and child.hseq is not None:
+                self._evq.rekey(child)
+        if self._selective:
+            self._backup_path(path[0])
+        return MatchResult(path[0], pos)
+
+    def _insert(
+        self, tokens: Sequence[int], slots: Sequence[int], namespace: Hashable | None, priority: int
+    ) -> tuple[int, TreeNode, int]:
+        """``insert``: (the tokens already cached, the node the inserted path ends at, its
+        length)."""
         if len(slots) < len(tokens):
             raise ValueError(f"{len(tokens)} tokens but only {len(slots)} slots")
         tokens, query, end, node, tick = self._begin(tokens, namespace)
         page = self.page_size
         if not end:
-            return 0
+            return 0, node, 0
         if query is None:
             query = self._encode(tokens)
         raw, width = query.tobytes(), self._width  # compared with memcmp, as in match_prefix
@@ -217,7 +254,7 @@ class RadixCache(HostTreeMixin, HostRoomMixin):
                 self._evq.offer(leaf)
                 if self._backup_on_insert:
                     self._backup(leaf)
-                break
+                return (pos if cached is None else cached), leaf, end
             key = child.key
             n = len(key)
             if n > end - pos or not raw.startswith(key, pos * width):
@@ -236,7 +273,7 @@ class RadixCache(HostTreeMixin, HostRoomMixin):
                 self._evq.offer(child)
             pos += n
             node = child
-        return pos if cached is None else cached
+        return (pos if cached is None else cached), node, pos
 
     def _new_leaf(
         self, query: array, slots: Sequence[int], pos: int, end: int, parent: TreeNode, tick: int

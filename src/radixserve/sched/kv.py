@@ -160,8 +160,8 @@ class KVManager:
         if not self.enabled or n <= self.table.owned_from(req.rid):
             return None
         tokens = self._keys(req.fill_slice(0, n))
-        self.cache.insert(tokens, self.table.slots(req.rid), req.namespace, req.priority)
-        m = self.cache.match_prefix(tokens, req.namespace)
+        m = self.cache.insert_and_match(tokens, self.table.slots(req.rid), req.namespace,
+                                        req.priority)  # fmt: skip
         assert m.length == n, f"inserted {n} tokens but matched {m.length}"
         self.table.adopt_prefix(req.rid, m.slots)
         return m.last_node
