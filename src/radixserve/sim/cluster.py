@@ -58,6 +58,7 @@ from radixserve.sim.workloads import Chains, WorkloadRequest
 
 _ARRIVE, _DONE, _WAKE, _LAND = 0, 1, 2, 3
 PROGRESS_MIN_REQUESTS = 5000  # a progress bar only for runs this long (when asked for one)
+RUN_CHUNK = 64  # decode steps a run times at first (then twice as many at each chunk's end)
 
 
 def _f(default: object, help: str, **kw: object) -> object:
@@ -154,12 +155,17 @@ class _Engine:
 
 @dataclass(slots=True)
 class _DecodeRun:
-    """Pure decode steps booked at once: their durations and end times, and the DONE event's
-    sequence number (a cut run books a new event and leaves this one stale)."""
+    """Pure decode steps booked at once: the first ones' durations and end times (computed a
+    chunk at a time: a dispatch often cuts a run early), the booked steps and the contexts
+    they start from, the sequence number of the DONE event that ends the run (a cut run books
+    a new one), and that of the event in the heap (this one, or a chunk's end)."""
 
     durations: list[float]
     ends: list[float]
     seq: int
+    steps: int
+    contexts: list[int]
+    pending: int = 0
 
 
 class ClusterSim:
@@ -320,7 +326,7 @@ class ClusterSim:
                 self._arrive(payload)
             elif kind == _DONE:
                 if seq not in self._stale:
-                    self._complete(engines[payload])
+                    self._complete(engines[payload], seq)
                 else:
                     self._stale.discard(seq)
             elif kind == _WAKE:
@@ -543,24 +549,45 @@ class ClusterSim:
 
     def _start_run(self, eng: _Engine, steps: int) -> None:
         contexts = [r.kv_len for r in eng.sched.running.decoding.values()]
-        durations = eng.runner.decode_durations(contexts, steps)
-        # each step's end: the last one's plus its duration, as event by event (in C)
-        ends = list(accumulate(durations, initial=self.now))
-        del ends[0]
-        t = ends[-1]
-        self._seq += 1
-        heapq.heappush(self._events, (t, _DONE, self._seq, eng.idx))
-        eng.run = _DecodeRun(durations, ends, self._seq)
+        self._seq += 1  # the run's end: ordered among the events as if pushed now
+        run = eng.run = _DecodeRun([], [], self._seq, steps, contexts)
+        self._time_steps(eng, run, RUN_CHUNK)
+        self._book_chunk(eng, run)
         self.run_counts["runs"] += 1
         eng.sched.begin_decode_run(steps)  # the first step's eviction: now, as step() makes it
         self._next_eviction(eng, eng.sched.decode_run_begun(1))
 
+    def _time_steps(self, eng: _Engine, run: _DecodeRun, upto: int) -> None:
+        """Time the run's steps up to the ``upto``-th (at most the booked ones)."""
+        have = len(run.durations)
+        upto = min(upto, run.steps)
+        if upto <= have:
+            return
+        contexts = [c + have for c in run.contexts] if have else run.contexts
+        durations = eng.runner.decode_durations(contexts, upto - have)
+        # each step's end: the last one's plus its duration, as event by event (in C)
+        ends = list(accumulate(durations, initial=run.ends[-1] if have else self.now))
+        del ends[0]
+        run.durations += durations
+        run.ends += ends
+
+    def _book_chunk(self, eng: _Engine, run: _DecodeRun) -> None:
+        """Queue the event at the last timed step's end: the run's DONE once every booked step
+        is timed, else a chunk's end, which times more."""
+        if len(run.ends) == run.steps:
+            run.pending = run.seq
+        else:
+            self._seq += 1
+            run.pending = self._seq
+        heapq.heappush(self._events, (run.ends[-1], _DONE, run.pending, eng.idx))
+
     def _next_eviction(self, eng: _Engine, step: int | None) -> None:
         """Note when ``eng``'s run next evicts: the start of its ``step``-th step."""
         run = eng.run
-        if step is None or run is None or step > len(run.ends):
+        if step is None or run is None or step > run.steps:
             self._evicting.pop(eng.idx, None)
         else:
+            self._time_steps(eng, run, step - 1)
             self._evicting[eng.idx] = run.ends[step - 2]  # step 1 began with the run
 
     def _begin_steps(self) -> None:
@@ -581,12 +608,13 @@ class ClusterSim:
     def _cut(self, eng: _Engine, run: _DecodeRun) -> None:
         """A request came in during a run: it ends with the step in flight (the first one
         ending at or after now; at equal times arrivals come before step completions)."""
-        keep = bisect.bisect_left(run.ends, self.now) + 1
-        if keep < len(run.ends):
+        keep = bisect.bisect_left(run.ends, self.now) + 1  # the timed steps reach now
+        if keep < run.steps:
             del run.durations[keep:], run.ends[keep:]
-            self._stale.add(run.seq)
+            run.steps = keep
+            self._stale.add(run.pending)
             self._seq += 1
-            run.seq = self._seq
+            run.seq = run.pending = self._seq
             heapq.heappush(self._events, (run.ends[-1], _DONE, self._seq, eng.idx))
             self.run_counts["cuts"] += 1
 
@@ -608,9 +636,14 @@ class ClusterSim:
             self._bar.update(len(done))
         self._step(eng)
 
-    def _complete(self, eng: _Engine) -> None:
-        if eng.run is not None:
-            self._finish_run(eng, eng.run)
+    def _complete(self, eng: _Engine, seq: int) -> None:
+        run = eng.run
+        if run is not None:
+            if seq == run.seq:
+                self._finish_run(eng, run)
+            else:  # a chunk's end: time the next chunk, twice as long
+                self._time_steps(eng, run, 2 * len(run.ends))
+                self._book_chunk(eng, run)
             return
         batch, result = eng.batch, eng.result
         eng.batch = eng.result = None
