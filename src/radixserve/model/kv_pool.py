@@ -5,7 +5,14 @@ Slot ids come from the scheduler's allocator (``cache/pool.py``); this module on
 
 from __future__ import annotations
 
+import ctypes
+import math
+import sys
+
 import torch
+
+HUGE_PAGE = 2 << 20  # bytes: x86-64's transparent huge page
+MADV_HUGEPAGE = 14  # Linux's madvise advice
 
 
 class KVPool:
@@ -31,7 +38,7 @@ class KVPool:
         self.num_slots = num_slots
         self.scratch_slot = num_slots if scratch else None
         shape = (num_layers, 2, num_slots + int(scratch), num_kv_heads, head_dim)
-        self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        self.kv = _zeros(shape, dtype, torch.device(device))
 
     @property
     def nbytes(self) -> int:
@@ -66,3 +73,24 @@ class KVPool:
     def write_slots(self, slots: torch.Tensor, data: torch.Tensor) -> None:
         """Store ``data`` (as ``read_slots`` returns it, any device) at ``slots``."""
         self.kv.index_copy_(2, slots, data.to(self.kv.device, non_blocking=True))
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.zeros(shape)``; on a Linux CPU starting on a 2 MB boundary with its whole 2 MB
+    pages advised onto transparent huge pages before they are first written (the slack before
+    it is never touched). Decode attention streams the pool every step: with 4 KB pages each
+    page costs a TLB miss (SmolLM2's 30 layers of B=8 x 512 keys: 1.06x faster on huge pages
+    over contiguous slots, 1.11x over scattered ones, here)."""
+    n = math.prod(shape)
+    size = torch.empty((), dtype=dtype).element_size()
+    if device.type != "cpu" or not sys.platform.startswith("linux") or n * size < HUGE_PAGE:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    base = torch.empty(n + HUGE_PAGE // size, dtype=dtype)
+    start = (-base.data_ptr() % HUGE_PAGE) // size
+    kv = base[start : start + n]
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise(
+        ctypes.c_void_p(kv.data_ptr()), ctypes.c_size_t(n * size // HUGE_PAGE * HUGE_PAGE),
+        MADV_HUGEPAGE,
+    )  # fmt: skip
+    return kv.zero_().view(shape)
