@@ -1,4 +1,4 @@
-"""radixserve's own CPU kernels (``csrc/cpu_kernels.cpp``, float32), compiled at first use
+"""radixserve's own CPU kernels (``csrc/*.cpp``, float32), compiled at first use
 with the machine's C++ compiler for the machine's own instruction set and loaded through ctypes.
 
 Why kernels of our own: a decode step of a small model on a CPU is bound by reading the weights
@@ -15,6 +15,11 @@ deliver them.
   row's keys split into chunks (about 4 work items per thread), every head of a chunk together
   so each slot's K/V rows are read whole (scattered slots cost what contiguous ones do), the
   chunks merged by their log-sum-exps.
+- Prefill attention: PyTorch's CPU flash kernel computes a chunk on a cached context as a
+  whole masked rectangle and, with head dim 64, at about half the linears' FLOP rate;
+  ``radixserve_prefill_attention_f32`` reads the context from the pool by slot, skips the
+  key blocks past each row's position and runs the linear kernel's 6 x 16 register tiles
+  (1.2-1.9x PyTorch's kernel here on SmolLM2's shapes).
 - The small per-layer ops (rms_norm with the residual add, rope with the K/V store, silu(gate)
   * up) in one call each, where PyTorch runs a few ops, each its own parallel region.
 All run on PyTorch's own OpenMP runtime (one thread pool). The maintained kernel packages on
@@ -45,7 +50,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "prefill_attention.cpp")
+HEADERS = (CSRC / "vec.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 BUILD_TIMEOUT_S = 300
 
@@ -152,6 +159,30 @@ class CpuKernels:
             v_pool.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
 
+    def prefill_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:  # fmt: skip
+        """Causal attention ``[n, heads * dim]`` of the query rows ``q`` ``[n, heads, dim]``
+        (float32, rows of any stride) of one prompt chunk over its whole context: the pool slots
+        ``slots`` ``[L]`` of one layer's ``k``/``v`` ``[num_slots, kv_heads, dim]``, in position
+        order, the chunk's own ``n`` last (query ``i`` sees ``slots[: L - n + i + 1]``)."""
+        n, heads, dim = q.shape
+        if q.stride(2) != 1 or q.stride(1) != dim:
+            q = q.contiguous()
+        out = q.new_empty(n, heads * dim)
+        rc = self.lib.radixserve_prefill_attention_f32(
+            q.data_ptr(), q.stride(0), n, k.data_ptr(), v.data_ptr(), slots.data_ptr(),
+            slots.shape[0], heads, k.shape[1], dim, scale, out.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise ValueError(
+                f"prefill attention kernel: {n} queries over {slots.shape[0]} slots, {heads} "
+                f"query heads over {k.shape[1]} KV heads of dim {dim} are not supported"
+            )
+        return out
+
     def decode_attention(
         self,
         q: torch.Tensor,
@@ -187,7 +218,7 @@ def load_cpu_kernels(cache_dir: str | os.PathLike[str]) -> CpuKernels | str:
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if not compiler:
         return "no C++ compiler found (install g++ or set CXX)"
-    source = SOURCE.read_bytes()
+    source = b"\0".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
     key = hashlib.sha256(
         b"\0".join([source, compiler.encode(), " ".join(FLAGS).encode(), _cpu_flags()])
     ).hexdigest()[:16]
@@ -200,7 +231,7 @@ def load_cpu_kernels(cache_dir: str | os.PathLike[str]) -> CpuKernels | str:
             _build(compiler, target)
         result = _bind(target)
     except (OSError, subprocess.SubprocessError, RuntimeError) as e:
-        result = f"building {SOURCE.name} failed: {str(e).strip().splitlines()[-1][:300]}"
+        result = f"building the CPU kernels ({CSRC.name}/) failed: {str(e).strip().splitlines()[-1][:300]}"
     _loaded[target] = result
     return result
 
@@ -223,7 +254,7 @@ def _build(compiler: str, target: Path) -> None:
     os.close(fd)
     try:
         proc = subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", tmp],
+            [compiler, *FLAGS, *map(str, SOURCES), "-o", tmp],
             capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False,
         )  # fmt: skip
         if proc.returncode != 0:
@@ -242,6 +273,9 @@ def _bind(path: Path) -> CpuKernels:
     fn = lib.radixserve_decode_attention_f32
     fn.restype = _I
     fn.argtypes = [_P, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_float, _P, _P, _I]
+    fn = lib.radixserve_prefill_attention_f32
+    fn.restype = _I
+    fn.argtypes = [_P, _I64, _I, _P, _P, _P, _I, _I, _I, _I, _F, _P, _I]
     lib.radixserve_packed_size.restype = _I64
     lib.radixserve_packed_size.argtypes = [_I, _I]
     lib.radixserve_pack_weight.restype = None

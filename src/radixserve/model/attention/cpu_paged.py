@@ -1,5 +1,5 @@
-"""``cpu-paged``: ``cpu-prefix`` whose decodes go through radixserve's C++ kernel
-(``model/kernels.py``), which reads every decode's context from the pool in place, by slot."""
+"""``cpu-paged``: ``cpu-prefix`` whose decodes and prefill chunks go through radixserve's C++
+kernels (``model/kernels.py``), which read every context from the pool by slot."""
 
 from __future__ import annotations
 
@@ -18,7 +18,12 @@ class CpuPaged(CpuPrefix):
     """Decodes through radixserve's C++ kernel (``model/kernels.py``): one call per layer
     reads every decode's context from the pool in place, by slot, with chunks of the rows' keys
     shared out over the torch threads; no gather, no padding, no per-request buffer.
-    Float32 weights and KV only. Prefill spans as in ``cpu-prefix``."""
+    Prefill chunks likewise, one call per chunk and layer over its whole context (cached
+    part and its own tokens, causal), blocks past a row's position never computed: 1.2-1.9x
+    PyTorch's CPU flash kernel on SmolLM2's shapes here (one thread; a 1,024-token chunk, and
+    576 tokens over 1,600, where PyTorch computes the whole masked rectangle). Chunks that
+    share a cached prefix with another in the step go as in ``cpu-prefix`` (one call per
+    shared prefix). Float32 weights and KV only."""
 
     name = "cpu-paged"
 
@@ -38,6 +43,22 @@ class CpuPaged(CpuPrefix):
         self, entries: Sequence[BatchEntry], device: torch.device, dtype: torch.dtype
     ) -> StepPlan:
         return build_plan(entries, device, dtype, share_prefixes=True, paged=True)
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: StepPlan, kv: KVPool,
+        layer: int,
+    ) -> torch.Tensor:  # fmt: skip
+        if plan.span_prefixes:
+            return super().attend(q, k, v, plan, kv, layer)
+        outs = []
+        if plan.decode is not None:
+            outs.append(self._attend_decodes(q, k, v, plan.decode, kv, layer))
+        for span in plan.spans:
+            slots = plan.write_slots[span.start : span.end] if span.slots is None else span.slots
+            outs.append(self.kernels.prefill_attention(
+                q[span.start : span.end], kv.kv[layer, 0], kv.kv[layer, 1], slots, self.scale
+            ))  # fmt: skip
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _attend_decodes(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: DecodeGroup, kv: KVPool,
