@@ -509,9 +509,7 @@ class ClusterSim:
         if keys is None:
             return
         if output:
-            seq = list(ids)
-            seq.extend(output[:-1])
-            keys = store.keys(seq, keys)
+            keys = store.keys(ids, keys, output[:-1])
         store.write(keys)
 
     def _params(self, output_len: int) -> SamplingParams:

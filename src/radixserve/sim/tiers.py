@@ -106,13 +106,17 @@ class SimStore:
     def __len__(self) -> int:
         return len(self._lru)
 
-    def keys(self, tokens: Sequence[int], head: Sequence[int] = ()) -> list[int]:
-        """Chained keys of ``tokens``' whole blocks; ``head``: keys already computed for the
-        first blocks (a prompt's, when its reply is appended)."""
+    def keys(
+        self, tokens: Sequence[int], head: Sequence[int] = (), more: Sequence[int] = ()
+    ) -> list[int]:
+        """Chained keys of the whole blocks of ``tokens`` followed by ``more``; ``head``: keys
+        already computed for the first blocks (a prompt's, when its reply is appended: only
+        the tokens past them are read, so the prompt is not copied)."""
         b, out = self.block, list(head)
         prev = out[-1] if out else 0
-        start = len(out) * b
-        rest = tuple(tokens[start : len(tokens) - (len(tokens) - start) % b])
+        skip = len(out) * b
+        rest = [*tokens[skip:], *more[max(0, skip - len(tokens)) :]]
+        del rest[len(rest) - len(rest) % b :]
         # the blocks as tuples, cut in C (zip of one iterator b times); a key is the hash of
         # (the previous key, the block), as a tuple of the block's ints would hash
         for block in zip(*[iter(rest)] * b):
