@@ -160,6 +160,9 @@ def test_the_store_evicts_a_chain_from_its_end() -> None:
     # a chain continues from the keys of its head
     whole = store.keys(list(range(9 * 16)))
     assert store.keys(list(range(9 * 16)), a) == whole and whole[:8] == a
+    # a reply keyed apart from its prompt (a partial last block of each, as a request's)
+    prompt, reply = list(range(8 * 16 + 5)), list(range(500, 540))
+    assert store.keys(prompt, a, reply) == store.keys(prompt + reply)
 
 
 def test_split_by_tier() -> None:
