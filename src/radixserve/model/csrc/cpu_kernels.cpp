@@ -32,19 +32,19 @@
 #include <immintrin.h>
 #endif
 
+#include "vec.h"
+
 namespace {
 
-// ---- linear ------------------------------------------------------------------------------------
-typedef float v8f __attribute__((vector_size(32)));  // 8 floats: one AVX register (two on SSE)
-constexpr int kCols = 16;                              // columns per packed block
-constexpr int kRowsPerPass = 96;
+using radixserve::exp8;  // the vector type and exp shared with prefill_attention.cpp (vec.h)
+using radixserve::exp_approx;
+using radixserve::load8;
+using radixserve::store8;
+using radixserve::v8f;
 
-inline v8f load8(const float* p) {
-  v8f v;
-  __builtin_memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline void store8(float* p, v8f v) { __builtin_memcpy(p, &v, sizeof(v)); }
+// ---- linear ------------------------------------------------------------------------------------
+constexpr int kCols = 16;  // columns per packed block
+constexpr int kRowsPerPass = 96;
 
 // rows x 16 columns of y from `rows` rows of x and one packed block w [K][16]
 template <int R>
@@ -111,49 +111,6 @@ const tile_fn kStreamTiles[9] = {nullptr,         stream_tile<1>, stream_tile<2>
 
 constexpr int kKeys = 32;        // keys scored per pass (a multiple of 8)
 constexpr int64_t kMinChunk = 64;  // fewest keys a work item takes
-
-// exp(x) by the Cody-Waite reduction and a degree-6 polynomial: plain arithmetic, so the loops
-// that call it vectorize. Relative error about 2e-7; x is clamped to [-87, 88] (exp(-87) is
-// 1.6e-38: a softmax weight that small is zero to float32 sums).
-#pragma omp declare simd
-inline float exp_approx(float x) {
-  x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  float r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  float p = 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  const int32_t bits = ((int32_t)n + 127) << 23;
-  float scale;
-  __builtin_memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
-// exp_approx over 8 lanes, written out on vectors (GCC does not vectorize the scalar one's
-// clamp and rounding): the same arithmetic, rounding to nearest by the 1.5 * 2^23 trick.
-typedef int32_t v8i __attribute__((vector_size(32)));
-inline v8f exp8(v8f x) {
-  const v8f lo = v8f{} - 87.f, hi = v8f{} + 88.f, magic = v8f{} + 12582912.f;
-  x = x < lo ? lo : x;
-  x = x > hi ? hi : x;
-  const v8f n = (x * 1.44269504088896341f + magic) - magic;
-  v8f r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  v8f p = v8f{} + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  const v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
-  v8f scale;
-  __builtin_memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
 
 // lane j of the result = the sum of the lanes of a[j]: eight dot products finished at once
 inline v8f sum_lanes8(const v8f* a) {

@@ -1,7 +1,5 @@
-// The vector type and exp of prefill_attention.cpp: GCC vector extensions, so the code compiles
+// The vector type and exp both kernel files use: GCC vector extensions, so the code compiles
 // to the machine's widest float unit under -march=native (AVX2 + FMA here) without intrinsics.
-// cpu_kernels.cpp still carries its own copies of the same definitions (its anonymous
-// namespace); they are meant to move here.
 #pragma once
 
 #include <cmath>
