@@ -6,51 +6,32 @@ from the injected clock, so the engine, the simulated engine and the simulator s
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 
 from radixserve.cache.pool import RequestSlotTable, SlotAllocator
 from radixserve.cache.radix import RadixCache
 from radixserve.config import CacheConfig, SchedulerConfig
 from radixserve.sched.adder import AddResult, PrefillAdder
 from radixserve.sched.batch import Batch, BatchEntry, StepResult
-from radixserve.sched.decode_run import RunEvictions, apply_run, run_length
+from radixserve.sched.decode_run import RunEvictions
+from radixserve.sched.decode_runs import DecodeRuns
+from radixserve.sched.disagg import DisaggRole
 from radixserve.sched.kv import KVManager
 from radixserve.sched.policy import PassContext, make_policy, orders_by_priority
 from radixserve.sched.prefix_index import PrefixIndex
-from radixserve.sched.receive import fits
 from radixserve.sched.request import FinishReason, Req, ReqState, TokenOutput
-from radixserve.sched.running import RunningSet, retract_order
+from radixserve.sched.retract import Retraction
+from radixserve.sched.running import RunningSet
+from radixserve.sched.stats import RUNTIME_SETTINGS, Metrics, SchedulerStats
 from radixserve.sched.validate import check_config, check_request
+
+__all__ = ["MAX_DEDUPE_SKIPS", "RUNTIME_SETTINGS", "Scheduler", "SchedulerStats"]
 
 # In-batch dedupe skips at most this many requests per pass, so a crowd of requests that share
 # one uncached prefix cannot make a pass scan the whole queue; they are matched next step.
 MAX_DEDUPE_SKIPS = 128
-# What update_settings may change while requests run: the waiting queue's order only.
-RUNTIME_SETTINGS = frozenset(("schedule_policy", "max_wait_ms", "enable_priority_scheduling",
-                              "priority_preemption_threshold"))  # fmt: skip
-
-
-@dataclass(slots=True)
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    kv_usage: float  # share of the KV pool neither free nor evictable
-    cache_hit_rate: float  # cached prompt tokens / prompt tokens, at first admission
-    prompt_tokens: int
-    cached_prompt_tokens: int
-    num_finished: int
-    num_aborted: int
-    num_retracted: int  # retractions for KV (and preemptions for priority) so far
-    new_token_ratio: float
-    # prompt tokens queued or mid-chunk and not yet computed (a kv_aware router reads them)
-    waiting_prefill_tokens: int = 0
-    host_cached_prompt_tokens: int = 0  # of cached_prompt_tokens, loaded from the host tier
-    host_tier_tokens: int = 0  # host-tier slots holding KV
-    host_tier_total: int = 0  # host-tier slots (0: no host tier)
 
 
 def _entry(req: Req, tokens: list[int], start: int, slots: list[int], prefill: bool) -> BatchEntry:
@@ -61,7 +42,7 @@ def _entry(req: Req, tokens: list[int], start: int, slots: list[int], prefill: b
     )  # fmt: skip
 
 
-class Scheduler:
+class Scheduler(DisaggRole, DecodeRuns, Retraction, Metrics):
     """Owns the waiting queue, the running requests and their KV (radix cache, slot allocator,
     slot table). Call ``step()``, run the batch, then ``on_output()`` with its result; requests
     come in with ``add_request`` and leave finished (``on_output``, ``finish``) or aborted.
@@ -213,99 +194,6 @@ class Scheduler:
             return FinishReason.LENGTH
         return None
 
-    # -- the decode role: prompts computed by a prefill engine -------------------------------
-    def reserve(self, req: Req) -> bool:
-        """Slots for the KV of ``req``'s prompt, which a prefill engine computes and sends;
-        ``receive`` once it has landed. False, keeping nothing: no room now for it to decode
-        to its end beside the others (sched/receive.py); ValueError: it can never run here."""
-        check_request(req, self.context_length, self.kv.total, self.kv.page)
-        if req.rid in self._reqs:  # max_new_tokens 1: it ends on the first token received
-            raise ValueError(f"request id {req.rid!r} is already in use")
-        here = [*self.running.decoding.values(), *self.receiving.values()]
-        if len(here) >= self.config.max_running_requests or not fits(self.kv, here, req):
-            return False
-        self._reuse_prefix(req)
-        self.kv.extend(req, len(req.input_ids) - req.kv_len)
-        req.kv_len, req.state = len(req.input_ids), ReqState.RUNNING
-        self._seq += 1
-        req.seq = self._seq
-        self._reqs[req.rid] = self.receiving[req.rid] = req
-        self.running.enter(req)
-        return True
-
-    def _reuse_prefix(self, req: Req) -> None:
-        """Open ``req`` on the longest prefix of its prompt this engine's tree holds (pages it
-        received, or decoded, for earlier requests), locked: only the rest is sent to it. The
-        whole prompt may match, as nothing is computed here for it."""
-        m = self.kv.cache.match_prefix(req.input_ids, req.namespace) if self.kv.enabled else None
-        hit = m is not None and m.length > 0
-        req.match_node = m.last_node if hit else None
-        req.match_len = req.prefix_len = m.length if hit else 0
-        self.kv.lock(req.match_node)
-        self.kv.open(req)
-
-    def hold(self, rid: str) -> None:
-        """Prefill role: when ``rid`` ends, keep its slots (a transfer reads them) until
-        ``release_held``; only then is its prompt cached and the rest freed."""
-        self._holding.add(rid)
-
-    def release_held(self, rid: str) -> None:
-        self._holding.discard(rid)
-        req = self.held.pop(rid, None)
-        if req is not None:
-            self.kv.release(req, keep=req.state is ReqState.FINISHED)
-
-    def receive(self, rid: str, first_token: int) -> TokenOutput:
-        """The prompt's KV has landed in the reserved slots, with the first token the prefill
-        engine sampled: the request decodes from the next step (or ends, on a stop token)."""
-        req = self.receiving.pop(rid)
-        self.running.decoding[rid] = req
-        return self._append(req, first_token, was_prefill=False)
-
-    # -- runs of pure decode steps (the simulator's fast path) -------------------------------
-    def decode_run_length(self) -> int:
-        """Pure decode steps ``step()`` would take next, one after another, if no request came
-        in meanwhile: none retracts, and the last may finish requests (``advance_decodes``
-        ends them; see ``decode_run``)."""
-        if self._in_flight is not None or self._run is not None:
-            return 0
-        return run_length(self.running, len(self.policy), self.kv, self.eos_token_ids)
-
-    def begin_decode_run(self, steps: int) -> None:
-        """Book ``steps`` (at most ``decode_run_length()``) and begin the first: its eviction,
-        if it makes one, is made now; ``decode_run_begun`` begins later ones."""
-        if self.kv.allocator.available() >= len(self.running.decoding) * (steps + self.kv.page):
-            return  # more free slots than any run of this length takes: it evicts nothing
-        self._run = RunEvictions(self.running, self.kv, steps)
-        self.run_evictions += self._run.begin(1)
-
-    def decode_run_begun(self, steps: int) -> int | None:
-        """The booked run's first ``steps`` steps have begun: the tree loses what they evict.
-        Returns the next step that will evict (None: none)."""
-        if self._run is None:  # a run that evicts nothing
-            return None
-        self.run_evictions += self._run.begin(steps)
-        return self._run.next_step()
-
-    def advance_decodes(self, tokens: Sequence[Sequence[int]]) -> list[str]:
-        """Take ``len(tokens[0])`` decode steps at once (the booked run's first ones, if one
-        is booked), as ``step()`` and ``on_output()`` would one by one; ``tokens[i]``: the
-        next tokens of ``running.decoding``'s i-th request. Returns the requests the last
-        step finished (ended, in batch order, as ``on_output`` ends them)."""
-        if self._run is not None:
-            self.run_evictions += self._run.begin(len(tokens[0]))
-            self._run = None
-        self._step_id += apply_run(self.running, self.kv, tokens)
-        self._last_chunk = False
-        done = [
-            (req.rid, reason)
-            for req in self.running.decoding.values()
-            if (reason := self._stop_reason(req, req.output_ids[-1])) is not None
-        ]
-        for rid, reason in done:
-            self._end(rid, ReqState.FINISHED, reason)
-        return [rid for rid, _ in done]
-
     # -- prefill -----------------------------------------------------------------------------
     def _decode_turn(self) -> bool:
         # a long prompt prefilled in chunks alternates with decode steps, so running requests
@@ -428,78 +316,6 @@ class Scheduler:
             self._n["prompt"] += len(req.input_ids)
             self._n["cached"] += req.prefix_len
 
-    # -- decode and retraction ---------------------------------------------------------------
-    def _decode_entries(self) -> list[BatchEntry]:
-        decoding = self.running.decoding
-        if not decoding:
-            return []
-        kv = self.kv
-        chunk = self._chunk_need() if self.config.enable_mixed_chunk else 0
-        if not kv.covers(len(decoding), chunk):
-            spare = max(decoding.values(), key=retract_order)
-            self._retract_until(lambda: kv.ensure_free(self._decode_need()), spare)
-        # the decodes' slots are free now (nothing more to evict): one extend each, no checks
-        table = kv.table
-        entries = []
-        for rid, req in decoding.items():
-            table.extend(rid, 1)
-            entries.append(
-                BatchEntry(
-                    rid,
-                    [req.output_ids[-1]],
-                    req.kv_len,
-                    table.slots(rid),
-                    True,
-                    req.sampling,
-                    False,
-                    len(req.output_ids),
-                    req.input_ids,
-                    req.output_ids,
-                )
-            )
-        self.running.decay()
-        return entries
-
-    def _decode_need(self) -> int:
-        need = sum(self.kv.extend_cost(r, 1) for r in self.running.decoding.values())
-        return need + self._chunk_need() if self.config.enable_mixed_chunk else need
-
-    def _chunk_need(self) -> int:
-        req = self.running.chunked
-        if req is None:
-            return 0
-        cfg = self.config
-        cap = max(min(cfg.max_prefill_tokens, cfg.chunked_prefill_size), self.kv.page)
-        return self.kv.extend_cost(req, min(req.fill_len - req.kv_len, cap))
-
-    def _make_room_for_chunk(self) -> None:
-        if self.running.chunked is not None:
-            need = self._chunk_need()
-            self._retract_until(lambda: self.kv.room() >= need, self.running.chunked)
-
-    def _retract_until(self, fits: Callable[[], bool], spare: Req) -> None:
-        """Retract running requests, fewest generated tokens first, until ``fits()``."""
-        for req in self.running.retraction_order():
-            if fits():
-                return
-            if req is not spare:
-                self._retract(req)
-        if not fits():
-            raise RuntimeError("KV accounting error: one request alone does not fit the pool")
-
-    def _retract(self, req: Req) -> None:
-        """Send a running request back to the queue. Its computed KV goes to the tree (it
-        resumes from there unless evicted meanwhile) and its output so far is kept, so it
-        later finishes with exactly the output it would have had."""
-        self.running.leave(req)
-        self.kv.release(req, keep=True)
-        req.state, req.kv_len = ReqState.WAITING, 0
-        req.num_retractions += 1
-        req.queued_at = self.clock()
-        self._n["retracted"] += 1
-        self._enqueue(req)
-        self.running.on_retract()
-
     # -- bookkeeping -------------------------------------------------------------------------
     def _enqueue(self, req: Req) -> None:
         self.index.track(req)
@@ -524,80 +340,3 @@ class Scheduler:
         req.state, req.finish_reason, req.finish_time = state, reason, self.clock()
         self._n["aborted" if state is ReqState.ABORTED else "finished"] += 1
         return True
-
-    # -- metrics and integrity ---------------------------------------------------------------
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.policy)
-
-    @property
-    def cache_hit_rate(self) -> float:
-        return self._n["cached"] / self._n["prompt"] if self._n["prompt"] else 0.0
-
-    def stats(self) -> SchedulerStats:
-        n = self._n
-        return SchedulerStats(
-            num_running=self.num_running,
-            num_waiting=self.num_waiting,
-            kv_usage=self.kv.usage(),
-            cache_hit_rate=self.cache_hit_rate,
-            prompt_tokens=n["prompt"],
-            cached_prompt_tokens=n["cached"],
-            num_finished=n["finished"],
-            num_aborted=n["aborted"],
-            num_retracted=n["retracted"],
-            new_token_ratio=self.running.ratio,
-            waiting_prefill_tokens=self.waiting_prefill_tokens(),
-            host_cached_prompt_tokens=n["host_cached"],
-            host_tier_tokens=self.kv.cache.host_size(),
-            host_tier_total=self.kv.host.total if self.kv.host is not None else 0,
-        )
-
-    def waiting_prefill_tokens(self) -> int:
-        """Tokens still to prefill: waiting requests beyond their cached match, plus what
-        is left of the request being prefilled in chunks."""
-        left = sum(
-            r.fill_len - max(r.kv_len, r.match_len)
-            for r in self._reqs.values()
-            if r.state is ReqState.WAITING
-        )
-        chunked = self.running.chunked
-        return left + (chunked.fill_len - chunked.kv_len if chunked is not None else 0)
-
-    # -- settings changed at run time ----------------------------------------------------------
-    def update_settings(self, **changes: object) -> SchedulerConfig:
-        """Change how the waiting queue is ordered (RUNTIME_SETTINGS) without a restart: a new
-        frozen config and a new policy that takes over every waiting request, in the order
-        they queued; running requests and the cache are untouched. Raises ValueError (and
-        changes nothing) for a setting that cannot change or a value that is not valid."""
-        unknown = sorted(set(changes) - RUNTIME_SETTINGS)
-        if unknown:
-            raise ValueError(f"cannot change {', '.join(unknown)} at run time; these can: "
-                             f"{', '.join(sorted(RUNTIME_SETTINGS))}")  # fmt: skip
-        config = dataclasses.replace(self.config, **changes)
-        check_config(config, self.kv.page)
-        policy = make_policy(config, self.clock, self.kv.enabled)
-        waiting = [r for r in self._reqs.values() if r.state is ReqState.WAITING]
-        for req in sorted(waiting, key=lambda r: (r.queued_at, r.seq)):  # bounded wait's order
-            policy.add(req)
-        self.config = self.running.config = config
-        self.policy = policy
-        self.index.on_move, self.index.split_hook = policy.update, policy.on_split
-        return config
-
-    def check_integrity(self) -> None:
-        """Recount everything: free + evictable + protected + held == total, the tree's own
-        counters, every lock, and the queue against the prefix index."""
-        running = [*self.running.all(), *self.receiving.values()]
-        self.kv.check([*running, *self.held.values()], in_flight=self._in_flight is not None)
-        waiting = [r for r in self._reqs.values() if r.state is ReqState.WAITING]
-        assert len(waiting) + len(running) == len(self._reqs), "a request is lost"
-        self.policy.check(waiting)
-        assert all(r.state is ReqState.RUNNING for r in running)
-        keys = Counter(r.routing_key for r in running if r.routing_key is not None)
-        assert keys == self.running.keys, "running routing keys miscounted"
-        self.index.check(waiting)
