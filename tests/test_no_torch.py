@@ -55,6 +55,8 @@ PURE = [
     "radixserve.sim.trace_replay",
     "radixserve.sim.hit_rates",
     "radixserve.sim.cluster",
+    "radixserve.sim.store_tier",
+    "radixserve.sim.engine_state",
     "radixserve.bench.loadgen",
     "radixserve.bench.cli",
     "radixserve.sim.cli",

@@ -36,23 +36,22 @@ from operator import add
 
 from tqdm import tqdm
 
-from radixserve.cache.radix import MatchResult
 from radixserve.config import CacheConfig, SchedulerConfig, check_fields
 from radixserve.router.kvindex.tiers import FixedTier
-from radixserve.router.policies.base import RequestView, RouterPolicy, WorkerView
+from radixserve.router.policies.base import RequestView, RouterPolicy
 from radixserve.router.policies.config import CachePolicyConfig
 from radixserve.router.policies.kv_aware import KvAwarePolicy
 from radixserve.router.policies.registry import create_policy, policy_names
-from radixserve.sched.batch import Batch, StepResult
-from radixserve.sched.policy import PassContext
 from radixserve.sched.request import Req, SamplingParams
 from radixserve.sched.scheduler import Scheduler
 from radixserve.sched.validate import check_request
 from radixserve.sim.costmodel import CostModel, get_cost_model
+from radixserve.sim.engine_state import _DecodeRun, _Engine
 from radixserve.sim.kv_feed import KvFeed
-from radixserve.sim.report import EngineLoad, SimResult
+from radixserve.sim.report import SimResult
 from radixserve.sim.runner import SimRunner
 from radixserve.sim.slo import TokenGaps
+from radixserve.sim.store_tier import StoreTier
 from radixserve.sim.tiers import Landing, SimStore, SimTierConfig
 from radixserve.sim.workloads import Chains, WorkloadRequest
 
@@ -113,62 +112,7 @@ def host_tier_tokens(cost: CostModel, cache: CacheConfig) -> int:
     return n - n % cache.page_size
 
 
-class _Engine:
-    """One simulated engine: its scheduler and runner, the batch in flight and its load."""
-
-    __slots__ = (
-        "idx", "sched", "runner", "batch", "result", "awake", "load", "requests", "tokens", "run",
-        "ratio", "host_ratio", "link_free", "landed",
-    )  # fmt: skip
-
-    def __init__(
-        self,
-        idx: int,
-        sched: Scheduler,
-        runner: SimRunner,
-        ratio: float | None = None,
-        host_ratio: float | None = None,
-    ) -> None:
-        self.idx, self.sched, self.runner = idx, sched, runner
-        # the load-to-prefill ratios it reports, its cost model's: the store's and the host
-        # tier's (None: no such tier)
-        self.ratio, self.host_ratio = ratio, host_ratio
-        self.link_free = 0.0  # when its link to the store is free for the next get
-        self.landed: list[tuple[str, int]] = []  # store loads landed: applied at its next step
-        self.batch: Batch | None = None
-        self.result: StepResult | None = None
-        self.awake = False  # a step is running or a wake-up is queued
-        self.run: _DecodeRun | None = None  # a run of pure decode steps in flight
-        self.load = EngineLoad()
-        self.requests = self.tokens = 0  # dispatched and not finished: the router's view
-
-    def view(self) -> WorkerView:
-        return WorkerView(self.idx, self.requests, True, self.tokens)
-
-    def reported_view(self, now: float) -> WorkerView:
-        """The view plus the prefill tokens this engine has yet to compute, as a worker
-        reports them to kv_aware."""
-        left = self.sched.waiting_prefill_tokens()  # what /get_loads reports
-        return WorkerView(self.idx, self.requests, True, self.tokens, left, now,
-                          self.host_ratio, self.ratio)  # fmt: skip
-
-
-@dataclass(slots=True)
-class _DecodeRun:
-    """Pure decode steps booked at once: the first ones' durations and end times (computed a
-    chunk at a time: a dispatch often cuts a run early), the booked steps and the contexts
-    they start from, the sequence number of the DONE event that ends the run (a cut run books
-    a new one), and that of the event in the heap (this one, or a chunk's end)."""
-
-    durations: list[float]
-    ends: list[float]
-    seq: int
-    steps: int
-    contexts: list[int]
-    pending: int = 0
-
-
-class ClusterSim:
+class ClusterSim(StoreTier):
     """Runs a workload once through a fresh fleet; see ``simulate`` for the one-call form."""
 
     def __init__(
@@ -391,126 +335,6 @@ class ClusterSim:
         if not eng.awake:
             eng.awake = True
             self._push(self.now, _WAKE, eng.idx)
-
-    # -- the store tier ----------------------------------------------------------------------
-    def _store_lookup(self, rid: str, ids: list[int]) -> int:
-        """Leading prompt tokens the store holds (whole blocks, never the last token), told to
-        kv_aware as loadable by every engine."""
-        store = self.store
-        assert store is not None
-        keys = self._store_keys[rid] = store.keys(ids)
-        b = store.block
-        held = min(store.leading(keys), (len(ids) - 1) // b) * b
-        self._store_source.tokens = dict.fromkeys(range(len(self.engines)), held) if held else {}
-        return held
-
-    def _matched(self, eng: _Engine, ids: list[int], end: int) -> tuple[MatchResult, int]:
-        """``eng``'s device match of ``ids`` and how far its host tier continues it (to ``end``)."""
-        cache = eng.sched.cache
-        m = cache.match_prefix(ids)
-        host = 0
-        if eng.sched.kv.host is not None and end > m.length:
-            host = sum(len(n.key) for n in cache.match_host(ids, m.last_node, m.length, end))
-        return m, host
-
-    def _plan_load(self, eng: _Engine, req: Req, held: int) -> float | None:
-        """When the store holds more of the prompt than ``eng``'s device and host tiers, start
-        its get on ``eng``'s link: the time it lands; None: nothing to load from the store."""
-        m, host = self._matched(eng, req.input_ids, held)
-        below = held - m.length - host  # what only the store has
-        if below <= 0:
-            return None
-        start = max(self.now, eng.link_free)
-        eng.link_free = start + self.cost.store_load_time(below, self.tier_spec)
-        return eng.link_free + self.cost.host_load_time(held - m.length, self.tier_spec)
-
-    def _land(self, payload: int) -> None:
-        """A store load landed: it is applied when its engine is between steps (a step in
-        flight, or a booked decode run, counts on the slots it saw free)."""
-        rid, held = self._loading.pop(payload)
-        eng = self._live[rid][1]
-        eng.landed.append((rid, held))
-        self._wake(eng)
-
-    def _apply_landed(self, eng: _Engine) -> None:
-        for rid, held in eng.landed:
-            self._apply_load(eng, rid, held)
-        eng.landed.clear()
-
-    def _apply_load(self, eng: _Engine, rid: str, held: int) -> None:
-        """The landed pages join the engine's tree, and the request joins the queue."""
-        req = self._live[rid][0]
-        self._load_prefix(eng, req, held)
-        eng.sched.add_request(req)
-
-    def _load_prefix(self, eng: _Engine, req: Req, held: int) -> bool:
-        """Put ``req``'s first ``held`` tokens, read from the store, in ``eng``'s tree below its
-        device match (host pages on the way revived); False: no room (nothing loaded)."""
-        store = self.store
-        assert store is not None
-        m, host = self._matched(eng, req.input_ids, held)
-        n = held - m.length
-        if n <= 0:
-            return False
-        kv, cache = eng.sched.kv, eng.sched.cache
-        cache.lock(m.last_node)  # eviction below must not take the prefix it continues
-        loaded = kv.ensure_free(n)
-        if loaded:
-            slots = m.slots + kv.allocator.alloc(n)
-            cache.insert(req.input_ids[:held], slots)
-            store.read_blocks(self._store_keys[req.rid][: held // store.block])
-            self._landings[req.rid] = Landing(m.length, host, n - host)
-        cache.unlock(m.last_node)
-        return loaded
-
-    def _refetch(self, eng: _Engine) -> float:
-        """Admission looks the store up again: the fresh requests the coming step may admit
-        (the waiting queue in its order, up to a step's prefill budget) whose prefix the store
-        holds beyond ``eng``'s device and host match now (evicted while they waited) get it
-        loaded before the step, one get each on ``eng``'s link. Returns when the last lands
-        plus its host -> device copy (``now``: nothing loaded); the step waits for it."""
-        store, sched = self.store, eng.sched
-        assert store is not None
-        budget = self.sched_config.max_prefill_tokens
-        fresh: list[Req] = []
-        for req in sched.policy.order(PassContext(sched.running.keys)):
-            if budget <= 0:
-                break
-            budget -= req.fill_len - req.match_len  # as the pass will see it, give or take
-            if req.first_scheduled_time is None:  # a retracted one had its prefix in its cache
-                fresh.append(req)
-        picks: list[tuple[Req, int]] = []
-        b = store.block
-        for req in fresh:  # after the pass: a match may split the tree the order reads
-            ids = req.input_ids
-            keys = self._store_keys.get(req.rid)
-            held = min(store.leading(keys), (len(ids) - 1) // b) * b if keys else 0
-            if held > req.match_len:
-                picks.append((req, held))
-        ready = self.now
-        for req, held in picks:  # after the pass: a load changes the tree the order reads
-            m, host = self._matched(eng, req.input_ids, held)
-            below = held - m.length - host
-            if below <= 0 or not self._load_prefix(eng, req, held):
-                continue
-            start = max(self.now, eng.link_free)
-            eng.link_free = start + self.cost.store_load_time(below, self.tier_spec)
-            up = eng.link_free + self.cost.host_load_time(held - m.length, self.tier_spec)
-            ready = max(ready, up)
-            self.refetched += 1
-        return ready
-
-    def _write_store(self, rid: str, ids: list[int], output: list[int] | None = None) -> None:
-        """Write a request's computed blocks: its prompt; with ``output``, its reply too (the
-        last token's KV is never computed)."""
-        store = self.store
-        assert store is not None
-        keys = self._store_keys.get(rid)
-        if keys is None:
-            return
-        if output:
-            keys = store.keys(ids, keys, output[:-1])
-        store.write(keys)
 
     def _params(self, output_len: int) -> SamplingParams:
         sp = self._sampling.get(output_len)
