@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -292,3 +293,14 @@ def _gguf_name(name: str) -> str:
     index, _, tail = rest.partition(".")
     module, _, kind = tail.rpartition(".")
     return f"blk.{index}.{parts[module]}.{kind}"
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Run the block with ``n`` torch (OpenMP) threads, then put the count back."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

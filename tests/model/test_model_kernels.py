@@ -15,16 +15,9 @@ from radixserve.config import ModelConfig  # noqa: E402
 from radixserve.model import kernels  # noqa: E402
 from radixserve.model.runner import TorchRunner  # noqa: E402
 from radixserve.sched.batch import Batch  # noqa: E402
-from tiny_models import build_tiny_model, entry  # noqa: E402
+from tiny_models import build_tiny_model, entry, torch_threads  # noqa: E402
 
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module")
-def kernel(tmp_path_factory):
-    k = kernels.load_cpu_kernels(tmp_path_factory.mktemp("kernels"))
-    assert isinstance(k, kernels.CpuKernels), k
-    return k
 
 
 @pytest.mark.parametrize("rows", [0, 1, 3, 8, 9, 13, 96, 97, 200])
@@ -36,13 +29,9 @@ def test_linear_matches_f_linear(kernel, rows, out_features, in_features):
     w = torch.randn(out_features, in_features, generator=g)
     x = torch.randn(rows, in_features, generator=g)
     packed = kernel.pack(w)
-    before = torch.get_num_threads()
     for threads in (1, 2):
-        torch.set_num_threads(threads)
-        try:
+        with torch_threads(threads):
             y = kernel.linear(x, packed)
-        finally:
-            torch.set_num_threads(before)
         assert y.shape == (rows, out_features)
         torch.testing.assert_close(y, torch.nn.functional.linear(x, w), atol=1e-4, rtol=1e-4)
     # a strided input (a column slice) is made contiguous first
@@ -87,12 +76,8 @@ def test_kernel_matches_sdpa_over_scattered_slots(kernel, heads, kv_heads, dim, 
     slots = torch.cat(contexts)
     offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     out = torch.full_like(q, float("nan"))
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         kernel.decode_attention(q, k, v, slots, offsets, dim**-0.5, out)
-    finally:
-        torch.set_num_threads(before)
     torch.testing.assert_close(out, reference(q, k, v, contexts), atol=2e-5, rtol=2e-5)
 
 

@@ -10,19 +10,11 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from radixserve.config import ModelConfig  # noqa: E402
-from radixserve.model import kernels  # noqa: E402
 from radixserve.model.runner import TorchRunner  # noqa: E402
 from radixserve.sched.batch import Batch  # noqa: E402
-from tiny_models import build_tiny_model, entry  # noqa: E402
+from tiny_models import build_tiny_model, entry, torch_threads  # noqa: E402
 
 F = torch.nn.functional
-
-
-@pytest.fixture(scope="module")
-def kernel(tmp_path_factory):
-    k = kernels.load_cpu_kernels(tmp_path_factory.mktemp("kernels"))
-    assert isinstance(k, kernels.CpuKernels), k
-    return k
 
 
 def reference(q, k_pool, v_pool, slots):
@@ -58,12 +50,8 @@ def test_kernel_matches_sdpa_with_the_causal_offset(kernel, n, length, heads, kv
     slots = torch.randperm(length + 30, generator=g)[:length]
     qkv = torch.randn(n, (heads + 2 * kv_heads) * dim, generator=g)
     q = qkv[:, : heads * dim].view(n, heads, dim)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         got = kernel.prefill_attention(q, k_pool, v_pool, slots, dim**-0.5)
-    finally:
-        torch.set_num_threads(before)
     torch.testing.assert_close(got, reference(q, k_pool, v_pool, slots), atol=1e-5, rtol=1e-4)
 
 
