@@ -1,6 +1,6 @@
 """Fixtures shared by several test modules: one tiny-model HTTP server for every
-tests/test_server_*.py module (starting one costs seconds on a small machine), and the path of
-Mooncake's trace."""
+tests/test_server_*.py module (starting one costs seconds on a small machine), the path of
+Mooncake's trace, and the CPU kernels built per module."""
 
 from __future__ import annotations
 
@@ -14,11 +14,7 @@ import pytest
 # a core stall each other (the default, one per core, is for a machine the engine has to itself)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from server_harness import ServerProcess
-
-# small limits, so that the refusals they cause are cheap to reach
-TINY_SERVER_ARGS = ("--max-total-tokens", "4096", "--context-length", "128",
-                    "--max-payload-size", "65536", "--max-batch-size", "8")  # fmt: skip
+from server_harness import TINY_SERVER_ARGS, ServerProcess
 
 
 @pytest.fixture(scope="session")
@@ -45,3 +41,14 @@ def mooncake_trace() -> Path:
     path = Path(__file__).parents[1] / "traces" / "mooncake_synthetic_trace.jsonl"
     assert path.exists(), f"{path} is part of the repository"
     return path
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    """The CPU kernels built once per test module into a temporary directory."""
+    pytest.importorskip("torch")
+    from radixserve.model import kernels
+
+    k = kernels.load_cpu_kernels(tmp_path_factory.mktemp("kernels"))
+    assert isinstance(k, kernels.CpuKernels), k
+    return k

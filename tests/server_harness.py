@@ -18,6 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+# small limits, so that the refusals they cause are cheap to reach
+TINY_SERVER_ARGS = ("--max-total-tokens", "4096", "--context-length", "128",
+                    "--max-payload-size", "65536", "--max-batch-size", "8")  # fmt: skip
+
 READY = re.compile(r"radixserve: serving (\S+) on (http://\S+)")
 START_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 15.0

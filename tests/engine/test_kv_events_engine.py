@@ -10,9 +10,8 @@ import time
 import msgpack
 import zmq
 
-from conftest import TINY_SERVER_ARGS
 from radixserve.cache.hashing import block_hashes
-from server_harness import ServerProcess
+from server_harness import TINY_SERVER_ARGS, ServerProcess
 
 
 def test_the_real_engine_publishes_a_prompts_blocks(tiny_model_dir):

@@ -9,8 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import TINY_SERVER_ARGS
-from server_harness import ServerProcess, assert_error_body
+from server_harness import TINY_SERVER_ARGS, ServerProcess, assert_error_body
 
 ADMIN, USER = "admin-secret", "user-secret"
 
