@@ -65,6 +65,8 @@ PURE = [
     # the engine and server plumbing too: `radixserve serve --sim` runs without torch
     "radixserve.engine.engine",
     "radixserve.engine.scheduler_proc",
+    "radixserve.engine.worker_control",
+    "radixserve.engine.worker_planes",
     "radixserve.engine.kv_events",
     "radixserve.engine.storage_tier",
     "radixserve.engine.detokenizer",

@@ -1,12 +1,12 @@
 """The scheduler process: owns one Scheduler and one Runner and loops step -> run -> on_output,
 taking requests from the API process and sending tokens to the detokenizer over ZeroMQ.
 
-An idle process blocks in a poll, so an idle (simulated or real) worker uses no CPU.
+An idle process blocks in a poll, so an idle (simulated or real) worker uses no CPU. The
+control ops are in engine/worker_control.py, the optional planes' start in engine/worker_planes.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 import traceback
@@ -33,18 +33,17 @@ from radixserve.engine.messages import (
 from radixserve.engine.pd_rooms import make_role
 from radixserve.engine.procutil import Endpoints, exit_with_parent, omp_wait_settings
 from radixserve.engine.trace_spans import record_request
+from radixserve.engine.worker_control import ControlOps
+from radixserve.engine.worker_planes import open_host_pool, open_kv_events, open_storage_tier
 from radixserve.sched.batch import Batch, StepResult, TokenLogprob
 from radixserve.sched.request import FinishReason, Req, TokenOutput
 from radixserve.sched.scheduler import Scheduler
 from radixserve.sched.validate import check_request
 from radixserve.tracing import open_tracer
 
-FLUSH_WAIT_S = 2.0  # a flush waits this long for the storage writer to read its pinned pages
-# (under the API's 5 s control timeout; still pinned after it: the flush is refused, 409)
-
 
 @dataclass(slots=True)
-class Worker:
+class Worker(ControlOps):
     """The scheduler, its runner, and the sockets; ``realtime`` sleeps out simulated steps."""
 
     scheduler: Scheduler
@@ -135,57 +134,6 @@ class Worker:
         sp = req.sampling  # a prefill engine's: up to the first token
         self.push.send_pyobj(OpenStream(msg.rid, sp.stop, sp.skip_special_tokens, sp.no_stop_trim,
                                         sp.min_new_tokens))  # fmt: skip
-
-    def _control(self, msg: ControlReq) -> Any:
-        if msg.op == "flush_cache":
-            if self.storage is not None:  # pages the writer is reading: a moment to finish
-                self.storage.release_pins(self.scheduler.kv, wait_s=FLUSH_WAIT_S)
-            flushed = self.scheduler.flush_cache()
-            if flushed and self.events is not None:
-                self.events.cleared()
-            return flushed
-        if msg.op == "stats":
-            stats = dataclasses.asdict(self.scheduler.stats())
-            if self.storage is not None:
-                stats.update(self.storage.stats())
-            stats.update(engine_steps=self.steps, engine_step_seconds=self.step_s,
-                         engine_runner_seconds=self.runner_s)  # fmt: skip
-            return {**stats, **(self.meter.report() if self.meter else self.ratios)}
-        if msg.op == "check_integrity":
-            return self._integrity()
-        if msg.op == "kv_events_snapshot":
-            return self.events.snapshot() if self.events is not None else None
-        if msg.op == "kv_events_stats":
-            return self.events.stats() if self.events is not None else {}
-        if msg.op == "scheduler_config":  # the live settings, changed or not
-            return dataclasses.asdict(self.scheduler.config)
-        if msg.op == "update_scheduler_settings":
-            return self._update_settings(msg.args or {})
-        return {"error": f"unknown control op {msg.op!r}"}
-
-    def _integrity(self) -> dict[str, Any]:
-        """The scheduler's recount, and where every KV slot is (free, evictable in the tree,
-        or held); a disaggregated engine's rooms too."""
-        s = self.scheduler
-        try:
-            s.check_integrity()
-            error = None
-        except AssertionError as e:
-            error = str(e) or "an integrity check failed"
-        pd = self.pd.counts() if self.pd is not None else {}
-        return {"ok": error is None, "error": error, "total": s.kv.total,
-                "free": s.allocator.available(), "evictable": s.cache.evictable_size(),
-                "running": s.num_running, "waiting": s.num_waiting,
-                "receiving": len(s.receiving), "rooms": pd,
-                "transfer": getattr(self.pd, "sent", None)}  # fmt: skip
-
-    def _update_settings(self, changes: dict[str, Any]) -> dict[str, Any]:
-        """Between two steps, so no batch is in flight; a refused change changes nothing."""
-        try:
-            config = self.scheduler.update_settings(**changes)
-        except (TypeError, ValueError) as e:
-            return {"error": str(e)}
-        return {"scheduler": dataclasses.asdict(config)}
 
     def drain(self, block_ms: int | None) -> None:
         """Handle every message waiting; block up to ``block_ms`` for the first one."""
@@ -345,7 +293,7 @@ def run_scheduler(engine_config: Any, endpoints: Endpoints, ready: Any, parent_p
         ready.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         return
     try:
-        events = _kv_events(engine_config, scheduler)
+        events = open_kv_events(engine_config, scheduler)
     except (zmq.ZMQError, ValueError) as e:  # an address in use, say: one line for the user
         ready.send(("error", f"--kv-events-config: {e}"))
         return
@@ -362,14 +310,14 @@ def run_scheduler(engine_config: Any, endpoints: Endpoints, ready: Any, parent_p
             ready.send(("error", f"--sim-kv-store: {e}"))
             return
         info["kv_store"] = store.info()
-    tiers = _host_pool(runner, scheduler)
+    tiers = open_host_pool(runner, scheduler)
     # a real engine with a host tier measures its ratios from its start-up sample on
     meter = LoadRatioMeter.seeded(info.get("kv_load_sample")) if tiers is not None else None
     storage = None
     settings = engine_config.storage_settings()
     if settings is not None and tiers is not None:
         try:
-            storage = _storage_tier(settings, info, runner, tiers, engine_config.model, meter)
+            storage = open_storage_tier(settings, info, runner, tiers, engine_config.model, meter)
         except (ValueError, RuntimeError, OSError) as e:
             ready.send(("error", f"--hicache-storage-backend: {e}"))
             return
@@ -397,50 +345,3 @@ def run_scheduler(engine_config: Any, endpoints: Endpoints, ready: Any, parent_p
             storage.close(scheduler.kv)
         if worker.tracer is not None:
             worker.tracer.close()
-
-
-def _kv_events(engine_config: Any, scheduler: Scheduler) -> KVEventPlane | None:
-    """The tracker on the scheduler's tree and the publisher (its sockets bound here, so that an
-    address in use fails the start)."""
-    if engine_config.kv_events is None or not engine_config.kv_events.enable_kv_cache_events:
-        return None
-    return KVEventPlane(engine_config.kv_events, scheduler.cache)
-
-
-def _storage_tier(
-    settings: Any, info: dict[str, Any], runner: Any, pool: Any, model_config: Any, meter: Any
-) -> Any:
-    """The storage tier of a real engine: its namespace names the model (its name and a digest
-    of its weight files) and the KV layout, so only engines whose pages are byte-compatible
-    share keys (two fine-tunes of one name do not). At --tp-size N the layout is one rank's
-    (its KV heads) and each rank's keys name its heads; every rank opens its part here."""
-    from radixserve.cache.hashing import KVNamespace
-    from radixserve.engine.storage_settings import weights_identity
-    from radixserve.engine.storage_tier import StorageTier
-    from radixserve.kvstore.storage import head_part
-    from radixserve.modelfiles.locate import resolve_model_dir
-
-    layers, _, _, heads, dim = pool.kv.shape
-    model = f"{info.get('model')}@{weights_identity(resolve_model_dir(model_config))}"
-    ns = KVNamespace(model, str(info.get("kv_cache_dtype")), int(layers), int(heads), int(dim),
-                     settings.chunk_size)  # fmt: skip
-    size = model_config.tp_size
-    if size == 1:
-        return StorageTier(settings, ns, pool, meter=meter)
-    parts = [head_part(r, int(heads)) for r in range(size)]
-    tier = StorageTier(settings, ns, pool, meter=meter, parts=parts, peers=runner.storage_peers())
-    runner.open_storage(settings, ns.digest())  # after rank 0's opened: a bad config fails there
-    return tier
-
-
-def _host_pool(runner: Any, scheduler: Scheduler) -> Any:
-    """The host tier's bytes, shaped like the runner's device pool (None without a tier, or
-    for a simulated runner, which has no bytes to move)."""
-    host, pool = scheduler.kv.host, getattr(runner, "kv", None)
-    if host is None or pool is None:
-        return None
-    from radixserve.model.host_pool import HostKVPool
-
-    if hasattr(runner, "open_host_tier"):  # tensor-parallel: every rank keeps its own
-        runner.open_host_tier(host.total)
-    return HostKVPool(pool, host.total)
