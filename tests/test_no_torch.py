@@ -27,6 +27,8 @@ PURE = [
     "radixserve.sched.batch",
     "radixserve.sched.scheduler",
     "radixserve.sched.policy",
+    "radixserve.sched.policy_base",
+    "radixserve.sched.policy_wrappers",
     "radixserve.sched.adder",
     "radixserve.sched.disagg",
     "radixserve.sched.decode_runs",

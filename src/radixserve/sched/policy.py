@@ -2,60 +2,21 @@
 
 A registry of named orders (``--schedule-policy``) plus two wrappers: priority levels and
 bounded waiting. Every order is maintained incrementally, so one pass costs what it yields.
+The interface is in sched/policy_base.py, the wrappers in sched/policy_wrappers.py.
 """
 
 from __future__ import annotations
 
 import random
 from bisect import bisect_left, insort
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from radixserve.config import SchedulerConfig
 from radixserve.sched.keyed_heap import KeyedHeap
+from radixserve.sched.policy_base import PassContext, WaitingPolicy
+from radixserve.sched.policy_wrappers import BoundedWait, PriorityQueues
 from radixserve.sched.request import Req
-
-
-@dataclass(slots=True)
-class PassContext:
-    """What a policy may look at besides its own requests during one pass."""
-
-    running_keys: Mapping[str, int] = field(default_factory=dict)  # routing key -> running
-
-
-class WaitingPolicy:
-    """A waiting-queue order. Rule for callers: nothing is added, removed or updated while an
-    ``order()`` iterator is in use; apply those changes after the pass."""
-
-    cache_aware = False  # orders by cached prefix (enables in-batch prefix dedupe)
-
-    def __init__(self, config: SchedulerConfig) -> None:
-        self.config = config
-
-    def __len__(self) -> int:
-        raise NotImplementedError
-
-    def add(self, req: Req) -> None:
-        raise NotImplementedError
-
-    def remove(self, req: Req) -> None:
-        raise NotImplementedError
-
-    def update(self, req: Req, old_node: Any) -> None:
-        """``req``'s cached-prefix match changed (it was at ``old_node``)."""
-
-    def on_split(self, upper: Any, lower: Any) -> None:
-        """The tree cut ``lower`` in two; ``upper`` is the new node above it."""
-
-    def order(self, ctx: PassContext) -> Iterator[Req]:
-        """Waiting requests, best first, lazily: a pass pays only for what it consumes."""
-        raise NotImplementedError
-
-    def check(self, waiting: list[Req]) -> None:
-        """Recount the policy's incremental state against ``waiting`` (integrity checks)."""
-        assert len(self) == len(waiting), "policy and waiting queue disagree"
-
 
 POLICIES: dict[str, type[WaitingPolicy]] = {}
 
@@ -203,94 +164,6 @@ class RoutingKey(WaitingPolicy):
         first = set(hot)
         for req in self._all:
             if req.routing_key not in first:
-                yield req
-
-
-class PriorityQueues(WaitingPolicy):
-    """--enable-priority-scheduling: one inner queue per priority value, larger values first;
-    the configured policy orders each level."""
-
-    def __init__(self, config: SchedulerConfig, make: Callable[[], WaitingPolicy]) -> None:
-        super().__init__(config)
-        self._make = make
-        self._levels: dict[int, WaitingPolicy] = {}
-        self._size = 0
-        self.cache_aware = make().cache_aware
-
-    def __len__(self) -> int:
-        return self._size
-
-    def add(self, req: Req) -> None:
-        if req.priority not in self._levels:
-            self._levels[req.priority] = self._make()
-        self._levels[req.priority].add(req)
-        self._size += 1
-
-    def remove(self, req: Req) -> None:
-        level = self._levels[req.priority]
-        level.remove(req)
-        self._size -= 1
-        if not len(level):
-            del self._levels[req.priority]
-
-    def update(self, req: Req, old_node: Any) -> None:
-        self._levels[req.priority].update(req, old_node)
-
-    def on_split(self, upper: Any, lower: Any) -> None:
-        for level in self._levels.values():
-            level.on_split(upper, lower)
-
-    def order(self, ctx: PassContext) -> Iterator[Req]:
-        for p in sorted(self._levels, reverse=True):
-            yield from self._levels[p].order(ctx)
-
-    def check(self, waiting: list[Req]) -> None:
-        super().check(waiting)
-        for p, level in self._levels.items():
-            level.check([r for r in waiting if r.priority == p])
-
-
-class BoundedWait(WaitingPolicy):
-    """--max-wait-ms: requests that have waited at least ``max_wait_s`` come first, oldest
-    first; the rest follow in the inner policy's order. 0 gives FCFS, None pure inner order.
-    Aged requests are found at the front of an arrival-ordered dict, so the check costs one
-    look per aged request plus one."""
-
-    def __init__(self, inner: WaitingPolicy, max_wait_s: float, clock: Callable[[], float]):
-        super().__init__(inner.config)
-        self.inner, self.max_wait_s, self.clock = inner, max_wait_s, clock
-        self._fifo: dict[Req, None] = {}  # queue-entry order, so queued_at never decreases
-        self.cache_aware = inner.cache_aware
-
-    def __len__(self) -> int:
-        return len(self._fifo)
-
-    def add(self, req: Req) -> None:
-        self._fifo[req] = None
-        self.inner.add(req)
-
-    def remove(self, req: Req) -> None:
-        del self._fifo[req]
-        self.inner.remove(req)
-
-    def update(self, req: Req, old_node: Any) -> None:
-        self.inner.update(req, old_node)
-
-    def on_split(self, upper: Any, lower: Any) -> None:
-        self.inner.on_split(upper, lower)
-
-    def check(self, waiting: list[Req]) -> None:
-        super().check(waiting)
-        self.inner.check(waiting)
-
-    def order(self, ctx: PassContext) -> Iterator[Req]:
-        line = self.clock() - self.max_wait_s  # queued at or before this: aged
-        for req in self._fifo:
-            if req.queued_at > line:
-                break
-            yield req
-        for req in self.inner.order(ctx):
-            if req.queued_at > line:
                 yield req
 
 
