@@ -51,8 +51,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "prefill_attention.cpp")
-HEADERS = (CSRC / "vec.h",)
+SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "prefill_attention.cpp", CSRC / "decode_layers.cpp")
+HEADERS = (CSRC / "vec.h", CSRC / "decode_attention.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 BUILD_TIMEOUT_S = 300
 
@@ -290,4 +290,9 @@ def _bind(path: Path) -> CpuKernels:
     lib.radixserve_silu_mul_f32.argtypes = [_P, _I, _I, _P, _I]
     lib.radixserve_rope_and_cache_f32.restype = None
     lib.radixserve_rope_and_cache_f32.argtypes = [_P, _I64, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I]
+    lib.radixserve_decode_layer_fields.restype = _I
+    lib.radixserve_decode_layers_f32.restype = _I
+    lib.radixserve_decode_layers_f32.argtypes = [
+        _P, _I, _I, _I, _P, _I, _I, _I, _I, _F, _F, _P, _P, _P, _P, _I64, _I64, _P, _P, _I,
+    ]  # fmt: skip
     return CpuKernels(path, lib)

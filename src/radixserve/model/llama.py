@@ -16,6 +16,7 @@ from radixserve.model.arch import ModelArch, MoEArch
 from radixserve.model.attention.base import AttentionBackend
 from radixserve.model.attention.plan import StepPlan
 from radixserve.model.attention.torch_gather import TorchGather
+from radixserve.model.decode_step import DecodeLayers
 from radixserve.model.kernels import MAX_ROPE_DIM, CpuKernels, PackedWeight
 from radixserve.model.kv_pool import KVPool
 from radixserve.model.moe import MoEBlock
@@ -117,6 +118,8 @@ class LlamaModel:
                    arch.moe if arch.is_moe_layer(i) else None)
             for i in range(arch.num_layers)
         ]  # fmt: skip
+        # a decode-only step's layers in one call of the kernels, where the model allows it
+        self.decode_layers = DecodeLayers.build(kernels, self.arch, self.layers, self.tp.size)
         factors = tensors.get("rope_freqs")
         self.inv_freq = rope.inv_freq(arch, factors).to(device)
 
@@ -137,6 +140,8 @@ class LlamaModel:
         rows' K/V into ``kv`` at ``plan.write_slots`` on the way."""
         x = F.embedding(plan.input_ids, self.embed)
         cos, sin = rope.cos_sin(plan.positions, self.inv_freq, self.dtype)
+        if self.decode_layers is not None and self.decode_layers.accepts(plan, kv):
+            return self.decode_layers(x, plan, kv, cos, sin)
         layer_forward = self._layer_forward
         if self._fused(kv):  # the kernels take cos / sin as [T, head_dim]
             cos, sin = cos.reshape(cos.shape[0], -1), sin.reshape(sin.shape[0], -1)
