@@ -102,3 +102,28 @@ def test_pytorch_paths_have_no_one_call(models, cache):
     cfg = ModelConfig(model=str(models["llama3"]), weights_cache_dir=str(cache),
                       cpu_kernels="off")  # fmt: skip
     assert TorchRunner(cfg, num_slots=64).model.decode_layers is None
+
+
+@pytest.mark.parametrize("width", [1, 7, 8, 19, 49152])
+def test_argmax_answers_as_torch_does(kernel, width):
+    """Random rows, rows of ties (the first wins), a NaN (the first NaN wins), -inf rows, a row
+    slice of a wider tensor: the greedy choice equals ``torch.argmax``."""
+    g = torch.Generator().manual_seed(width)
+    x = torch.randn(6, width + 5, generator=g)[:, :width]
+    x[1] = 3.0
+    x[2] = float("-inf")
+    if width > 3:
+        x[3, width // 2] = x[3, width - 1] = 100.0
+        x[4, 2] = x[4, width - 1] = float("nan")
+    torch.testing.assert_close(kernel.argmax(x), x.argmax(dim=-1))
+
+
+def test_the_sampler_takes_the_kernels_argmax_for_greedy_rows(kernel):
+    from radixserve.model.sampler import Sampler
+    from radixserve.sched.request import SamplingParams
+
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(1))
+    calls = []
+    sampler = Sampler(0, lambda x: calls.append(x) or kernel.argmax(x))
+    ids = sampler.sample(logits, [SamplingParams(temperature=0.0)] * 3, [0, 0, 0])
+    assert ids == logits.argmax(dim=-1).tolist() and len(calls) == 1

@@ -208,6 +208,17 @@ class CpuKernels:
             )
         return out
 
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits.argmax(dim=-1)`` of float32 rows ``[N, vocab]`` on one thread (ties: the first;
+        a NaN: the first NaN, as torch answers)."""
+        if logits.stride(-1) != 1:
+            logits = logits.contiguous()
+        out = torch.empty(logits.shape[0], dtype=torch.int64)
+        self.lib.radixserve_argmax_f32(
+            logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0), out.data_ptr()
+        )
+        return out
+
 
 _loaded: dict[Path, CpuKernels | str] = {}
 
@@ -290,6 +301,8 @@ def _bind(path: Path) -> CpuKernels:
     lib.radixserve_silu_mul_f32.argtypes = [_P, _I, _I, _P, _I]
     lib.radixserve_rope_and_cache_f32.restype = None
     lib.radixserve_rope_and_cache_f32.argtypes = [_P, _I64, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I]
+    lib.radixserve_argmax_f32.restype = None
+    lib.radixserve_argmax_f32.argtypes = [_P, _I, _I, _I64, _P]
     lib.radixserve_decode_layer_fields.restype = _I
     lib.radixserve_decode_layers_f32.restype = _I
     lib.radixserve_decode_layers_f32.argtypes = [

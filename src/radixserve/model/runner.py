@@ -74,7 +74,8 @@ class TorchRunner:
         if graphs:
             self.graphs = DecodeGraphs(self.model, self.kv, model_config.cuda_graph_max_bs,
                                        self.info.context_length)  # fmt: skip
-        self.sampler = Sampler(model_config.sampling_seed)
+        argmax = self.kernels.argmax if self.kernels is not None else None
+        self.sampler = Sampler(model_config.sampling_seed, argmax)
         self.grammars = Grammars(self.info.tokenizer, arch.vocab_size, self.info.eos_token_ids)
 
     def _load_kernels(self, config: ModelConfig) -> CpuKernels | str | None:
