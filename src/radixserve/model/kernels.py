@@ -20,6 +20,9 @@ deliver them.
   ``radixserve_prefill_attention_f32`` reads the context from the pool by slot, skips the
   key blocks past each row's position and runs the linear kernel's 6 x 16 register tiles
   (1.2-1.9x PyTorch's kernel here on SmolLM2's shapes).
+- A decode-only step's layers in one call (``radixserve_decode_layers_f32``, driven by
+  ``model/decode_step.py``): one parallel region for the whole step instead of 8 Python calls
+  a layer; and a greedy row's argmax on one thread (``radixserve_argmax_f32``).
 - The small per-layer ops (rms_norm with the residual add, rope with the K/V store, silu(gate)
   * up) in one call each, where PyTorch runs a few ops, each its own parallel region.
 All run on PyTorch's own OpenMP runtime (one thread pool). The maintained kernel packages on
