@@ -1,7 +1,8 @@
 """The README's quick start as a new user meets it: its `radixserve serve` command on the built-in
 model from an empty weights cache (so the GGUF is converted and the kernels built), then its curl
 and Python examples, read out of README.md and run as written (only the port changed), printing
-what the README shows under them."""
+what the README shows under them; then, on the same server, the structured-output curls of
+"Sampling, log probabilities, structured output"."""
 
 from __future__ import annotations
 
@@ -30,6 +31,24 @@ def quick_start() -> str:
     text = README.read_text()
     section = text[text.index("\n## Quick start\n") + 1 :]
     return section[: section.index("\n## ")]
+
+
+def sampling_section() -> str:
+    text = README.read_text()
+    section = text[text.index("\n### Sampling, log probabilities, structured output\n") + 1 :]
+    return section[: section.index("\n### ")]
+
+
+def curls(block: str) -> list[tuple[str, str]]:
+    """(command, the ``# `` lines shown under it) for each ``curl`` command of ``block``; a
+    command runs on to the first shown line."""
+    out: list[tuple[str, str]] = []
+    for piece in re.split(r"^(?=curl )", block, flags=re.M):
+        if piece.startswith("curl "):
+            lines = piece.rstrip("\n").splitlines()
+            first = next(i for i, ln in enumerate(lines) if ln.startswith("#"))
+            out.append(("\n".join(lines[:first]), "\n".join(lines[first:])))
+    return out
 
 
 def code_block(lang: str, marker: str) -> str:
@@ -106,3 +125,13 @@ def test_the_curl_then_the_python_example_print_what_the_readme_shows(server):
     cached, of = re.search(r"(\d+) of the same prompt's (\d+) tokens cached", claim).groups()
     usage = json.loads(printed)["usage"]
     assert (int(cached), int(of)) == (int(expected.split()[-1]), usage["prompt_tokens"])
+
+
+def test_the_structured_output_curls_print_what_the_readme_shows(server):
+    """A JSON schema on the chat route and a regex on /generate, both greedy, with logprobs."""
+    block = re.findall(r"^```bash\n(.*?)^```$", sampling_section(), re.S | re.M)[0]
+    examples = curls(block)
+    assert len(examples) == 2, "the structured-output block has two curls"
+    for command, output in examples:
+        printed = run(["bash", "-c", code(command, server.port)])
+        assert_elided_match(shown(output), printed)

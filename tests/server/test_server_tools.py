@@ -145,6 +145,8 @@ def test_the_readme_tool_loop_runs_as_written(server):
     name_args, final = out.getvalue().split("\n", 1)
     assert name_args == 'get_weather {"city": "Paris"}'
     assert final.startswith("stop ") and "sunny" in final  # the answer read the tool's result
+    shown = [line[2:] for line in code.splitlines() if line.startswith("# ")]
+    assert final.strip() == "\n".join(shown).removesuffix("   (135M parameters)")
 
 
 @pytest.mark.parametrize("fields,param", [
