@@ -190,8 +190,13 @@ class SlotAllocator:
         short pieces that are no run. At page size 1 a prompt's slots are thousands of pages
         that come back from the free list as a few runs: one flag at a time was a third of
         the simulator's time on 512-token blocks."""
-        stack, in_use, one = [(0, len(pages))], self._in_use, b"\x01" if flag else b"\x00"
-        while stack and len(pages):
+        in_use = self._in_use
+        if len(pages) <= MARK_PIECE:  # a few pages (a decode run's, an evicted leaf's): a loop
+            for page in pages:  # costs less than looking for runs in them
+                in_use[page] = flag
+            return
+        stack, one = [(0, len(pages))], b"\x01" if flag else b"\x00"
+        while stack:
             lo, hi = stack.pop()
             first = pages[lo]
             if pages[hi - 1] - first == hi - lo - 1 and (
