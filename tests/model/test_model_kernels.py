@@ -24,12 +24,13 @@ CPU = torch.device("cpu")
 @pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (37, 50), (16, 1)])
 def test_linear_matches_f_linear(kernel, rows, out_features, in_features):
     """Every row count the tiles split differently (1-8 in one pass, 6 at a time beyond, 96 per
-    pass), widths that are not a multiple of the 16-column blocks: within float32 rounding."""
+    pass; each thread keeps its blocks over every pass, also with more threads than blocks),
+    widths that are not a multiple of the 16-column blocks: within float32 rounding."""
     g = torch.Generator().manual_seed(rows * 7 + out_features)
     w = torch.randn(out_features, in_features, generator=g)
     x = torch.randn(rows, in_features, generator=g)
     packed = kernel.pack(w)
-    for threads in (1, 2):
+    for threads in (1, 2, 3):
         with torch_threads(threads):
             y = kernel.linear(x, packed)
         assert y.shape == (rows, out_features)

@@ -119,10 +119,14 @@ void radixserve_linear_f32(const float* x, int M, int K, const float* packed, in
                            int threads) {
   const int blocks = (N + kCols - 1) / kCols;
   if (threads < 1) threads = 1;
+  // one parallel region for every pass: a static schedule gives each thread the same blocks in
+  // every pass, so no thread waits for another between passes (a wait that costs a whole time
+  // slice when the partner thread is descheduled on a shared machine)
+#pragma omp parallel num_threads(threads)
   for (int m0 = 0; m0 < M; m0 += kRowsPerPass) {
     const int rows = M - m0 < kRowsPerPass ? M - m0 : kRowsPerPass;
     const float* xb = x + (int64_t)m0 * K;
-#pragma omp parallel for schedule(static) num_threads(threads)
+#pragma omp for schedule(static) nowait
     for (int b = 0; b < blocks; ++b) {
       const float* w = packed + (int64_t)b * K * kCols;
       const int ncols = N - b * kCols < kCols ? N - b * kCols : kCols;
