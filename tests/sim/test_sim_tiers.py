@@ -15,7 +15,7 @@ from radixserve.sim.cluster import ClusterConfig, ClusterSim
 from radixserve.sim.costmodel import get_cost_model
 from radixserve.sim.report import SimResult
 from radixserve.sim.runner import SimRunner
-from radixserve.sim.tiers import Landing, SimStore, SimTierConfig, split_by_tier
+from radixserve.sim.tiers import Landing, SimTierConfig, split_by_tier
 from radixserve.sim.workloads import (
     MultiTurnConfig,
     WorkloadRequest,
@@ -146,23 +146,6 @@ def test_tiers_keep_their_accounting_and_capacity_on_chat() -> None:
     big = SimTierConfig(kv_store_gb=store_gb(200_000))
     _, whole = run(reqs, cache, big, engines=4, router="kv_aware")
     assert whole.hit_rate >= 0.95 * best
-
-
-def test_the_store_evicts_a_chain_from_its_end() -> None:
-    store = SimStore(capacity_tokens=10 * 16, block_tokens=16)
-    a = store.keys(list(range(8 * 16)))
-    b = store.keys(list(range(1000, 1000 + 8 * 16)))
-    store.write(a)
-    store.write(b)  # 16 blocks into 10: a's last 6 go
-    assert len(store) == 10 and store.evicted == 6
-    assert store.leading(a) == 2 and store.leading(b) == 8
-    store.check()
-    # a chain continues from the keys of its head
-    whole = store.keys(list(range(9 * 16)))
-    assert store.keys(list(range(9 * 16)), a) == whole and whole[:8] == a
-    # a reply keyed apart from its prompt (a partial last block of each, as a request's)
-    prompt, reply = list(range(8 * 16 + 5)), list(range(500, 540))
-    assert store.keys(prompt, a, reply) == store.keys(prompt + reply)
 
 
 def test_split_by_tier() -> None:

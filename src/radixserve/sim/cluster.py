@@ -167,7 +167,7 @@ class ClusterSim(StoreTier):
         self._sampling: dict[int, SamplingParams] = {}
         self._ran = False
         self._stale: set[int] = set()  # DONE events of cut decode runs
-        self._store_keys: dict[str, list[int]] = {}  # live requests' prompt block keys
+        self._store_rids: set[str] = set()  # live requests the store looked up (it writes them)
         self._landings: dict[str, Landing] = {}  # requests that loaded from the store or host
         self._loading: dict[int, tuple[str, int]] = {}  # _LAND payload -> (rid, store tokens)
         # how the fast path was used (evicting: steps inside runs that evicted)
@@ -311,7 +311,7 @@ class ClusterSim(StoreTier):
         except ValueError as e:
             self._result.reject(w.rid, str(e))
             self.policy.on_complete(eng.idx, view, now)
-            self._store_keys.pop(w.rid, None)
+            self._store_rids.discard(w.rid)
             self._finished_one(w.rid)
             return
         if wait is not None:
@@ -488,7 +488,7 @@ class ClusterSim(StoreTier):
         req, eng, view = self._live.pop(rid)
         if self.store is not None:
             self._write_store(rid, req.input_ids, req.output_ids)
-            self._store_keys.pop(rid, None)
+            self._store_rids.discard(rid)
         self._result.record(req)
         self._result.record_tbt(self.tbt.pop(rid))
         self._result.record_tiers(req, self._landings.pop(rid, None))

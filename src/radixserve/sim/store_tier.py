@@ -4,7 +4,10 @@ the refetch at admission of a prefix evicted while it waited, and writing comput
 
 from __future__ import annotations
 
+from array import array
+
 from radixserve.cache.radix import MatchResult
+from radixserve.cache.tokens import concat_tokens
 from radixserve.sched.policy import PassContext
 from radixserve.sched.request import Req
 from radixserve.sim.engine_state import _Engine
@@ -19,9 +22,9 @@ class StoreTier:
         kv_aware as loadable by every engine."""
         store = self.store
         assert store is not None
-        keys = self._store_keys[rid] = store.keys(ids)
+        self._store_rids.add(rid)
         b = store.block
-        held = min(store.leading(keys), (len(ids) - 1) // b) * b
+        held = min(store.leading(ids), (len(ids) - 1) // b) * b
         self._store_source.tokens = dict.fromkeys(range(len(self.engines)), held) if held else {}
         return held
 
@@ -79,7 +82,7 @@ class StoreTier:
         if loaded:
             slots = m.slots + kv.allocator.alloc(n)
             cache.insert(req.input_ids[:held], slots)
-            store.read_blocks(self._store_keys[req.rid][: held // store.block])
+            store.read_blocks(req.input_ids, held // store.block)
             self._landings[req.rid] = Landing(m.length, host, n - host)
         cache.unlock(m.last_node)
         return loaded
@@ -104,8 +107,7 @@ class StoreTier:
         b = store.block
         for req in fresh:  # after the pass: a match may split the tree the order reads
             ids = req.input_ids
-            keys = self._store_keys.get(req.rid)
-            held = min(store.leading(keys), (len(ids) - 1) // b) * b if keys else 0
+            held = min(store.leading(ids), (len(ids) - 1) // b) * b
             if held > req.match_len:
                 picks.append((req, held))
         ready = self.now
@@ -121,14 +123,10 @@ class StoreTier:
             self.refetched += 1
         return ready
 
-    def _write_store(self, rid: str, ids: list[int], output: list[int] | None = None) -> None:
+    def _write_store(self, rid: str, ids: array, output: list[int] | None = None) -> None:
         """Write a request's computed blocks: its prompt; with ``output``, its reply too (the
         last token's KV is never computed)."""
         store = self.store
         assert store is not None
-        keys = self._store_keys.get(rid)
-        if keys is None:
-            return
-        if output:
-            keys = store.keys(ids, keys, output[:-1])
-        store.write(keys)
+        if rid in self._store_rids:
+            store.write(concat_tokens(ids, output[:-1]) if output else ids)

@@ -1,5 +1,5 @@
 """The simulated fleet's lower KV tiers: the settings (`radixserve sim --kv-store-gb ...`), the
-fleet-wide KV store (whole blocks under chained keys, LRU, bounded), and the per-request
+fleet-wide KV store (``SimStore``, in sim/block_store.py), and the per-request
 account of which tier each cached token came from.
 
 The host tier itself is the engines' own (the real scheduler's HiCache tier, enabled with
@@ -22,19 +22,19 @@ The host tier itself is the engines' own (the real scheduler's HiCache tier, ena
 #   miss    the rest is computed.
 # The store is written through: a request's prompt blocks once its prefill is done, its whole
 # sequence (chat history) once it finishes; writes are off the critical path (no time charged).
-# Keys chain the blocks (a block's key depends on every token before it), so a hit is always a
+# A block is known by every token up to its end (as chained keys know it), so a hit is always a
 # prefix. Eviction is LRU by block; a hit or write touches a chain's blocks last to first, so a
 # chain is evicted from its end.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import repeat, takewhile
 
 from radixserve.config import check_fields
+from radixserve.sim.block_store import SimStore
 from radixserve.sim.costmodel import CostModel, TierSpec
+
+__all__ = ["TIERS", "Landing", "SimStore", "SimTierConfig", "gb_for_tokens", "split_by_tier"]
 
 TIERS = ("device", "host", "store", "miss")
 
@@ -90,77 +90,6 @@ class SimTierConfig:
 def gb_for_tokens(tokens: int, cost: CostModel) -> float:
     """GB of store holding ``tokens`` of the model's KV (``--kv-store-gb`` for a working set)."""
     return tokens * cost.model.kv_bytes_per_token / 1e9
-
-
-class SimStore:
-    """Whole blocks of KV under chained keys, least recently used evicted first."""
-
-    def __init__(self, capacity_tokens: int, block_tokens: int) -> None:
-        if block_tokens < 1:
-            raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
-        self.block = block_tokens
-        self.capacity = capacity_tokens // block_tokens  # in blocks
-        self._lru: OrderedDict[int, None] = OrderedDict()
-        self.written = self.evicted = self.read = 0  # blocks, ever
-
-    def __len__(self) -> int:
-        return len(self._lru)
-
-    def keys(
-        self, tokens: Sequence[int], head: Sequence[int] = (), more: Sequence[int] = ()
-    ) -> list[int]:
-        """Chained keys of the whole blocks of ``tokens`` followed by ``more``; ``head``: keys
-        already computed for the first blocks (a prompt's, when its reply is appended: only
-        the tokens past them are read, so the prompt is not copied)."""
-        b, out = self.block, list(head)
-        prev = out[-1] if out else 0
-        skip = len(out) * b
-        rest = [*tokens[skip:], *more[max(0, skip - len(tokens)) :]]
-        del rest[len(rest) - len(rest) % b :]
-        # the blocks as tuples, cut in C (zip of one iterator b times); a key is the hash of
-        # (the previous key, the block), as a tuple of the block's ints would hash
-        for block in zip(*[iter(rest)] * b):
-            prev = hash((prev, block))
-            out.append(prev)
-        return out
-
-    def leading(self, keys: Sequence[int]) -> int:
-        """How many of ``keys``, from the first, the store holds."""
-        return len(list(takewhile(self._lru.__contains__, keys)))
-
-    def read_blocks(self, keys: Sequence[int]) -> None:
-        """A get of ``keys`` (held when it started): those still held become the most
-        recently used (one evicted meanwhile was read before it went)."""
-        self.read += len(keys)
-        lru = self._lru
-        for k in reversed(keys):
-            if k in lru:
-                lru.move_to_end(k)
-
-    def write(self, keys: Sequence[int]) -> None:
-        """Put ``keys``' blocks (those already held are only touched), then evict to capacity."""
-        lru = self._lru
-        self.written += self._touch(keys)
-        over = len(lru) - self.capacity
-        if over > 0:  # the least recently used go, popped in C
-            deque(map(lru.popitem, repeat(False, over)), maxlen=0)
-            self.evicted += over
-
-    def _touch(self, keys: Sequence[int]) -> int:
-        """Make ``keys`` the most recently used, adding those not held; returns how many were
-        added (chained keys are distinct, so none is counted twice)."""
-        lru, held, move = self._lru, len(self._lru), self._lru.move_to_end
-        for k in reversed(keys):  # the chain's first block ends most recent: evicted last
-            if k in lru:
-                move(k)
-            else:
-                lru[k] = None
-        return len(lru) - held
-
-    def check(self) -> None:
-        """The store never holds more than its capacity; every block read was written."""
-        assert len(self._lru) <= self.capacity, f"store holds {len(self._lru)} > {self.capacity}"
-        assert self.written - self.evicted == len(self._lru), "store block count drifted"
 
 
 @dataclass(slots=True)
