@@ -94,7 +94,18 @@ def test_a_run_with_one_freed_page_inside_is_refused_whole(page_size: int) -> No
 
 
 @pytest.mark.parametrize(
-    "lo,hi", [(0, 0), (0, 63), (0, 64), (5, 4101), (4096, 4096 * 3 + 17), (2**62, 2**62 + 5000)]
+    "lo,hi",
+    [
+        (0, 0),
+        (0, 63),
+        (0, 64),
+        (5, 4101),
+        (4096, 4096 * 3 + 17),
+        (2**62, 2**62 + 5000),
+        (65_000, 3 * 65_536 + 9),
+        (2**32 - 70_000, 2**32 + 70_000),
+        (2**63 - 300, 2**63 - 1),
+    ],
 )
 def test_slot_iota_is_the_ids_in_order(lo: int, hi: int) -> None:
     assert slot_iota(lo, hi) == array(SLOT_CODE, range(lo, hi)).tobytes()
