@@ -58,6 +58,7 @@ PURE = [
     "radixserve.sim.hit_rates",
     "radixserve.sim.cluster",
     "radixserve.sim.store_tier",
+    "radixserve.sim.engine_steps",
     "radixserve.sim.engine_state",
     "radixserve.bench.loadgen",
     "radixserve.bench.cli",

@@ -1,5 +1,6 @@
 """One simulated engine's state in ClusterSim (its scheduler, runner, batch in flight, load
-and store link) and the booked run of pure decode steps it may have in flight."""
+and store link), the booked run of pure decode steps it may have in flight, and the kinds of
+the event loop's events."""
 
 from __future__ import annotations
 
@@ -10,6 +11,10 @@ from radixserve.sched.batch import Batch, StepResult
 from radixserve.sched.scheduler import Scheduler
 from radixserve.sim.report import EngineLoad
 from radixserve.sim.runner import SimRunner
+
+# the event loop's kinds, in their order at equal times (see sim/cluster.py)
+_ARRIVE, _DONE, _WAKE, _LAND = 0, 1, 2, 3
+RUN_CHUNK = 64  # decode steps a run times at first (then twice as many at each chunk's end)
 
 
 class _Engine:
