@@ -15,6 +15,7 @@ PURE = [
     "radixserve.cache.block_events",
     "radixserve.cache.tiers",
     "radixserve.cache.host_tree",
+    "radixserve.cache.lock_evict",
     "radixserve.config",
     "radixserve.config_bounds",
     "radixserve.config_checks",
