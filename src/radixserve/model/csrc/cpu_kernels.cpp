@@ -24,12 +24,16 @@
 #endif
 
 #include "decode_attention.h"
+#include "linear_tile.h"
 #include "vec.h"
 
 namespace {
 
 using radixserve::exp8;  // the vector type and exp shared with prefill_attention.cpp (vec.h)
 using radixserve::exp_approx;
+using radixserve::kCols;  // the linear's tile and its packed blocks (linear_tile.h)
+using radixserve::kTilesOf;
+using radixserve::linear_tile;
 using radixserve::load8;
 using radixserve::store8;
 using radixserve::v8f;
@@ -38,50 +42,10 @@ using radixserve::decode::rope_row;
 using radixserve::decode::Split;
 
 // ---- linear ------------------------------------------------------------------------------------
-constexpr int kCols = 16;  // columns per packed block
 constexpr int kRowsPerPass = 96;
 
-// A decode step's few rows (up to 8) stream the weights from memory at 16 multiply-adds per
-// cache line: with Prefetch each line is asked for 64 lines ahead (the hardware prefetcher alone
-// left one thread at 6.5 GB/s on this EPYC, 8.6 GB/s with it); the many-row path reuses each
-// block from cache and goes without.
-constexpr int kPrefetchAhead = 64 * kCols;  // floats
-
-// rows x 16 columns of y from `rows` rows of x and one packed block w [K][16]
-template <int R, bool Prefetch>
-void linear_tile(const float* __restrict x, const float* __restrict w, int K,
-                 float* __restrict y, int64_t ldy, int ncols) {
-  v8f a0[R], a1[R];
-  for (int m = 0; m < R; ++m) a0[m] = a1[m] = v8f{};
-  for (int k = 0; k < K; ++k) {
-    if constexpr (Prefetch) __builtin_prefetch(w + k * kCols + kPrefetchAhead);
-    const v8f w0 = load8(w + k * kCols), w1 = load8(w + k * kCols + 8);
-    for (int m = 0; m < R; ++m) {
-      const float s = x[(int64_t)m * K + k];
-      a0[m] += w0 * s;
-      a1[m] += w1 * s;
-    }
-  }
-  for (int m = 0; m < R; ++m) {
-    if (ncols == kCols) {
-      store8(y + m * ldy, a0[m]);
-      store8(y + m * ldy + 8, a1[m]);
-    } else {  // the last block of a width that is not a multiple of 16
-      float t[kCols];
-      store8(t, a0[m]);
-      store8(t + 8, a1[m]);
-      std::memcpy(y + m * ldy, t, sizeof(float) * ncols);
-    }
-  }
-}
-
-typedef void (*tile_fn)(const float*, const float*, int, float*, int64_t, int);
-template <bool P>
-constexpr tile_fn kTilesOf[9] = {nullptr,            linear_tile<1, P>, linear_tile<2, P>,
-                                  linear_tile<3, P>, linear_tile<4, P>, linear_tile<5, P>,
-                                  linear_tile<6, P>, linear_tile<7, P>, linear_tile<8, P>};
-constexpr const tile_fn* kTiles = kTilesOf<false>;
-constexpr const tile_fn* kStreamTiles = kTilesOf<true>;
+constexpr const radixserve::tile_fn* kTiles = kTilesOf<false>;
+constexpr const radixserve::tile_fn* kStreamTiles = kTilesOf<true>;
 
 // Rows split into chunks of keys computed as independent items, then each row's chunks merged
 // (decode_attention.h); one parallel region.
@@ -132,12 +96,12 @@ void radixserve_linear_f32(const float* x, int M, int K, const float* packed, in
       const int ncols = N - b * kCols < kCols ? N - b * kCols : kCols;
       float* yb = y + (int64_t)m0 * N + b * kCols;
       if (rows <= 8) {  // a decode step: every weight read once
-        kStreamTiles[rows](xb, w, K, yb, N, ncols);
+        kStreamTiles[rows](xb, w, K, yb, N, ncols, nullptr);
         continue;
       }
       int m = 0;
-      for (; m + 6 <= rows; m += 6) linear_tile<6, false>(xb + (int64_t)m * K, w, K, yb + (int64_t)m * N, N, ncols);
-      if (m < rows) kTiles[rows - m](xb + (int64_t)m * K, w, K, yb + (int64_t)m * N, N, ncols);
+      for (; m + 6 <= rows; m += 6) linear_tile<6, false>(xb + (int64_t)m * K, w, K, yb + (int64_t)m * N, N, ncols, nullptr);
+      if (m < rows) kTiles[rows - m](xb + (int64_t)m * K, w, K, yb + (int64_t)m * N, N, ncols, nullptr);
     }
   }
 }

@@ -20,11 +20,14 @@
 #include <vector>
 
 #include "decode_attention.h"
+#include "linear_tile.h"
 #include "vec.h"
 
 namespace {
 
 using radixserve::exp8;
+using radixserve::kCols;  // the linear's tile and its packed blocks (linear_tile.h)
+using radixserve::kTilesOf;
 using radixserve::load8;
 using radixserve::store8;
 using radixserve::v8f;
@@ -33,39 +36,7 @@ using radixserve::decode::attend_rows;
 using radixserve::decode::rope_row;
 using radixserve::decode::Split;
 
-constexpr int kCols = 16;                   // columns per packed block (cpu_kernels.cpp's)
-constexpr int kAhead = 64 * kCols;          // prefetch distance, floats
-constexpr int kMaxRows = 8;                 // rows of x one tile takes
-
-// y[m][0..ncols) = (Acc: y +) x[m] . block w [K][16] (+ bias) for R rows of x [R][K]
-template <int R, bool Acc>
-void tile(const float* __restrict x, const float* __restrict w, int K, float* __restrict y,
-          int64_t ldy, int ncols, const float* bias) {
-  v8f a0[R], a1[R];
-  for (int m = 0; m < R; ++m) a0[m] = a1[m] = v8f{};
-  for (int k = 0; k < K; ++k) {
-    __builtin_prefetch(w + k * kCols + kAhead);
-    const v8f w0 = load8(w + k * kCols), w1 = load8(w + k * kCols + 8);
-    for (int m = 0; m < R; ++m) {
-      const float s = x[(int64_t)m * K + k];
-      a0[m] += w0 * s;
-      a1[m] += w1 * s;
-    }
-  }
-  float t[kCols];
-  for (int m = 0; m < R; ++m) {
-    store8(t, a0[m]);
-    store8(t + 8, a1[m]);
-    float* ym = y + m * ldy;
-    for (int j = 0; j < ncols; ++j) ym[j] = (Acc ? ym[j] : 0.f) + t[j] + (bias ? bias[j] : 0.f);
-  }
-}
-
-typedef void (*tile_fn)(const float*, const float*, int, float*, int64_t, int, const float*);
-template <bool A>
-constexpr tile_fn kTilesOf[kMaxRows + 1] = {nullptr,      tile<1, A>, tile<2, A>,
-                                            tile<3, A>,   tile<4, A>, tile<5, A>,
-                                            tile<6, A>,   tile<7, A>, tile<8, A>};
+constexpr int kMaxRows = 8;  // rows of x one tile takes
 
 // One column block b of y [M][N] (+)= x [M][K] W^T, 8 rows at a time (more than 8 rows read
 // the block again, from cache).
@@ -76,7 +47,7 @@ void block_rows(const float* x, int M, int K, const float* packed, int N, int b,
   const int ncols = N - b * kCols < kCols ? N - b * kCols : kCols;
   for (int m = 0; m < M; m += kMaxRows) {
     const int r = M - m < kMaxRows ? M - m : kMaxRows;
-    kTilesOf<Acc>[r](x + (int64_t)m * K, w, K, y + (int64_t)m * N + b * kCols, N, ncols,
+    kTilesOf<true, Acc>[r](x + (int64_t)m * K, w, K, y + (int64_t)m * N + b * kCols, N, ncols,
                      bias ? bias + b * kCols : nullptr);
   }
 }
@@ -100,8 +71,8 @@ void gate_up_act(const float* x, int M, int K, const float* packed, int I, float
       const int r = M - m < kMaxRows ? M - m : kMaxRows;
       float g[kMaxRows * kCols], u[kMaxRows * kCols];
       const float* xm = x + (int64_t)m * K;
-      kTilesOf<false>[r](xm, packed + (int64_t)j * K * kCols, K, g, kCols, kCols, nullptr);
-      kTilesOf<false>[r](xm, packed + (int64_t)(blocks + j) * K * kCols, K, u, kCols, kCols,
+      kTilesOf<true, false>[r](xm, packed + (int64_t)j * K * kCols, K, g, kCols, kCols, nullptr);
+      kTilesOf<true, false>[r](xm, packed + (int64_t)(blocks + j) * K * kCols, K, u, kCols, kCols,
                          nullptr);
       for (int i = 0; i < r; ++i)
         for (int c = 0; c < kCols; c += 8) {
