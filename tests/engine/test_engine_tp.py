@@ -138,6 +138,31 @@ def test_a_model_whose_heads_do_not_split_is_refused_in_one_line() -> None:
     assert sim.returncode != 0 and "--tp-size needs a real model" in sim.stderr + sim.stdout
 
 
+def test_more_ranks_than_gpus_is_refused_before_any_rank_starts(monkeypatch) -> None:
+    """NCCL runs one rank per GPU: ranks that would not each find one are named in one line."""
+    from radixserve.engine.tp_ranks import gpu_shortage
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert gpu_shortage("cuda", 2) is None and gpu_shortage("cuda:0", 1) is None
+    assert gpu_shortage("cpu", 4) is None
+    assert gpu_shortage("cuda:1", 2) == (
+        "--tp-size 2 on cuda:1: the ranks need cuda:1..cuda:2, one GPU each "
+        "(NCCL runs one rank per GPU), and this machine has 2"
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() != 1, reason="needs exactly one CUDA GPU")
+def test_two_ranks_on_a_one_gpu_machine_are_refused_in_one_line(tiny_model_dir) -> None:
+    cmd = [sys.executable, "-m", "radixserve", "serve", "--model", str(tiny_model_dir),
+           "--port", "0", "--device", "cuda", "--tp-size", "2"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    text = out.stdout + out.stderr
+    assert out.returncode != 0 and "Traceback" not in text
+    assert "--tp-size 2 on cuda: the ranks need cuda:0..cuda:1" in text
+    assert "this machine has 1" in text
+
+
 def test_a_killed_rank_fails_requests_with_a_message_within_seconds(tiny_model_dir) -> None:
     server = ServerProcess(["--model", str(tiny_model_dir), "--tp-size", "2", *SERVER_ARGS])
     try:

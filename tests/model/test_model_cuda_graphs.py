@@ -105,12 +105,14 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CU
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("n", [3, 4])
-def test_cuda_graph_replay_generates_what_kernel_by_kernel_does(tiny, n):
+@pytest.mark.parametrize("kind", ["llama3", "qwen3"])
+def test_cuda_graph_replay_generates_what_kernel_by_kernel_does(tiny, tmp_path, kind, n):
     """Replayed graphs (padded from 3 rows to 4, and exactly 4) give the eager path's greedy
-    tokens in float32, and graphs were really captured."""
+    tokens in float32, and graphs were really captured (Qwen3's q/k norms inside them too)."""
+    path = tiny if kind == "llama3" else build_tiny_model(kind, tmp_path)
     outs = []
     for off in (True, False):
-        config = ModelConfig(model=str(tiny), device="cuda", disable_cuda_graph=off)
+        config = ModelConfig(model=str(path), device="cuda", disable_cuda_graph=off)
         runner = TorchRunner(config, num_slots=SLOTS)
         assert (runner.graphs is None) == off
         outs.append(greedy_generate(runner, PROMPTS[:n], 12, SlotAllocator(SLOTS, seed=2)))

@@ -18,7 +18,7 @@ pytestmark = [
 PROMPTS = [[0, 40, 41, 42, 43], [0, 40, 41, 90], [0, 7]]
 
 
-@pytest.mark.parametrize("kind", ["llama3", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama3", "qwen2", "qwen3", "qwen3_moe"])
 def test_cuda_greedy_equals_cpu(kind, tmp_path):
     path = build_tiny_model(kind, tmp_path)
     outs = []

@@ -60,6 +60,20 @@ def rank_device(device: str, rank: int) -> str:
     return f"cuda:{first + rank}"
 
 
+def gpu_shortage(device: str, size: int) -> str | None:
+    """Why ``size`` ranks from ``device`` do not each find a GPU of their own (NCCL runs one
+    rank per GPU: two on one device are refused by it), or None; a CPU holds any number."""
+    if not device.startswith("cuda") or size == 1:
+        return None
+    import torch
+
+    first, have = int(device.partition(":")[2] or 0), torch.cuda.device_count()
+    if first + size <= have:
+        return None
+    return (f"--tp-size {size} on {device}: the ranks need cuda:{first}..cuda:{first + size - 1}, "
+            f"one GPU each (NCCL runs one rank per GPU), and this machine has {have}")  # fmt: skip
+
+
 def open_store(port: int = 0) -> Any:
     """Rank 0's rendezvous store (``port`` 0: a free one) or a rank's client of it."""
     import torch.distributed as dist
@@ -100,7 +114,8 @@ class TPRunner:
         from radixserve.modelfiles.locate import resolve_model_dir
 
         size = model_config.tp_size
-        if problem := tp_problem(read_arch(resolve_model_dir(model_config)), size):
+        arch = read_arch(resolve_model_dir(model_config))
+        if problem := tp_problem(arch, size) or gpu_shortage(model_config.device, size):
             raise ValueError(problem)  # before any process starts
         self.base = f"@radixserve-tp-{uuid.uuid4().hex[:12]}"
         self.death_note: str | None = None  # where the watchdog says why (engine/launch.py)
