@@ -86,6 +86,12 @@ class SlotAllocator:
             return array(SLOT_CODE, (page,) if p == 1 else range(page * p, page * p + num_tokens))
         if not pages:
             return array(SLOT_CODE)
+        if not self._nfree:  # only never-used pages: one ascending run (a fresh host tier)
+            lo = self._fresh
+            self._fresh = lo + pages
+            self._iota_to(self._fresh * p)
+            self._in_use[lo : lo + pages] = b"\x01" * pages
+            return self._ids(lo * p, lo * p + num_tokens)
         taken = self._take(pages)
         self._mark(taken, 1)
         if p == 1:
