@@ -282,17 +282,17 @@ class SlotAllocator:
             pages = map(floordiv, slots, repeat(p))  # one int object per slot
         return array(SLOT_CODE, sorted(set(pages)))
 
-    def _whole_pages(self, slots: Sequence[int]) -> array | None:
+    def _whole_pages(self, slots: Sequence[int]) -> list[int] | None:
         """The page of each ``p``-th slot, when ``slots`` are pages each from its first slot on
         (the last may end early): what a tree node or a request frees. Checked with one
-        compare against the slots those pages hold, at a cost per page, not per slot."""
+        compare against the slots those pages hold, at a cost per page, not per slot (a list:
+        its ints are made once, not at each pass over an array)."""
         p = self.page_size
         if type(slots) is not array or slots.typecode != SLOT_CODE:
             return None
-        firsts = slots[::p]
-        if not firsts or min(firsts) < 0 or max(firsts) >= self._fresh * p:  # slow path
+        pages = [first // p for first in slots[::p]]
+        if not pages or min(pages) < 0 or max(pages) >= self._fresh:  # slow path
             return None
-        pages = array(SLOT_CODE, map(floordiv, firsts, repeat(p)))
         # the pages' own slots start with ``slots`` (a partial last page included): a memcmp
         if not self._page_bytes_of(pages).startswith(slots):
             return None
