@@ -99,8 +99,13 @@ class RunEvictions:
         """Steps up to ``steps`` have begun: make their evictions, in step order; returns how
         many steps evicted."""
         steps, made = min(steps, self.steps), 0
-        while (s := self.next_step()) is not None and s <= steps:
-            ok = self.kv.ensure_free(run_need(self.rooms, self.kv.page, s))
+        rooms, page, alloc = self.rooms, self.kv.page, self.kv.allocator
+        # run_need grows with the steps: if the begun ones fit the free slots, none of them
+        # evicts, and the search for the next that does (next_step) can wait for its caller
+        while run_need(rooms, page, steps) > alloc.available():
+            s = self.next_step()
+            assert s is not None and s <= steps
+            ok = self.kv.ensure_free(run_need(rooms, page, s))
             assert ok, "a decode run was booked past what eviction can free"
             self.begun, made = s, made + 1
         self.begun = max(self.begun, steps)
