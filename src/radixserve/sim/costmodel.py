@@ -274,8 +274,9 @@ class StepTimer:
         # kvb * tp * compute > 2 * memory * half (then b / f = kvb * (s + n) * tp * compute /
         # (memory * half * (2s + n)) > 1 for every s, as (s + n) / (2s + n) >= 1/2); with half
         # a percent to spare the rounded b beats the rounded f too, and max() needs no f
-        if kvb * tp * compute > 2.01 * memory * half:
-            return [linear + kvb * (s + n) / memory + allreduce + overhead for s in sums]
+        if kvb * tp * compute > 2.01 * memory * half:  # (then kvb > 0)
+            reads = range(kvb * (total + n), kvb * (last + n), kvb * n)  # kvb * (s + n) a step
+            return [linear + b / memory + allreduce + overhead for b in reads]
         out = []
         append = out.append
         for s in sums:
