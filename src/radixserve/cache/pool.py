@@ -194,10 +194,9 @@ class SlotAllocator:
         """Set the in-use flag of ``pages``: one slice if they are one ascending run; else, at
         page size > 1 or for a few pages, one flag at a time (scattered pages freed by
         eviction: looking for runs among them cost 4-8x the loop); at page size 1, one slice
-        per ascending run (found by halving, each half checked with one compare against the
-        ids), a C-level map over the short pieces that are no run. At page size 1 a prompt's slots are thousands of pages
-        that come back from the free list as a few runs: one flag at a time was a third of
-        the simulator's time on 512-token blocks."""
+        per ascending run (found by halving), a C-level map over the short pieces: a prompt's
+        thousands of pages come back as a few runs (flag by flag was a third of the
+        simulator's time on 512-token blocks)."""
         in_use, k, one = self._in_use, len(pages), b"\x01" if flag else b"\x00"
         if (
             k > MARK_PIECE
