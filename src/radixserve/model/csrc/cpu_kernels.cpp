@@ -25,6 +25,7 @@
 
 #include "decode_attention.h"
 #include "linear_tile.h"
+#include "rms_norm.h"
 #include "vec.h"
 
 namespace {
@@ -140,25 +141,9 @@ extern "C" {
 void radixserve_add_rms_norm_f32(float* x, const float* delta, const float* w, int T, int H,
                                  float eps, float* y, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads) if ((int64_t)T * H >= kParallelMin)
-  for (int t = 0; t < T; ++t) {
-    float* xr = x + (int64_t)t * H;
-    float* yr = y + (int64_t)t * H;
-    float ss = 0.f;
-    if (delta != nullptr) {
-      const float* dr = delta + (int64_t)t * H;
-#pragma omp simd reduction(+ : ss)
-      for (int i = 0; i < H; ++i) {
-        xr[i] += dr[i];
-        ss += xr[i] * xr[i];
-      }
-    } else {
-#pragma omp simd reduction(+ : ss)
-      for (int i = 0; i < H; ++i) ss += xr[i] * xr[i];
-    }
-    const float inv = 1.f / std::sqrt(ss / (float)H + eps);
-#pragma omp simd
-    for (int i = 0; i < H; ++i) yr[i] = xr[i] * inv * w[i];
-  }
+  for (int t = 0; t < T; ++t)
+    radixserve::add_rms_norm_row(x + (int64_t)t * H, delta ? delta + (int64_t)t * H : nullptr, w,
+                                 H, eps, y + (int64_t)t * H);
 }
 
 // out [T, I] = silu(gu[:, :I]) * gu[:, I:], gu [T, 2I]

@@ -21,6 +21,7 @@
 
 #include "decode_attention.h"
 #include "linear_tile.h"
+#include "rms_norm.h"
 #include "vec.h"
 
 namespace {
@@ -86,16 +87,8 @@ void gate_up_act(const float* x, int M, int K, const float* packed, int I, float
 
 // y [M][H] = x / sqrt(mean(x^2) + eps) * w, per row (the calling thread alone)
 void rms_rows(const float* x, int M, int H, const float* w, float eps, float* y) {
-  for (int t = 0; t < M; ++t) {
-    const float* xr = x + (int64_t)t * H;
-    float* yr = y + (int64_t)t * H;
-    float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-    for (int i = 0; i < H; ++i) ss += xr[i] * xr[i];
-    const float inv = 1.f / std::sqrt(ss / (float)H + eps);
-#pragma omp simd
-    for (int i = 0; i < H; ++i) yr[i] = xr[i] * inv * w[i];
-  }
+  for (int t = 0; t < M; ++t)
+    radixserve::rms_norm_row(x + (int64_t)t * H, w, H, eps, y + (int64_t)t * H);
 }
 
 // A layer's weights, as the pointers of the table the caller passes (one row of kFields
