@@ -4,16 +4,19 @@
 //
 // First the context is copied out of the pool once per call, per KV head: K packed in groups of
 // 16 keys, [L/16][d][16], V as [L][d] (rows padded to whole 16s). Then the work items, (KV
-// head, block of query tokens), are shared out over the OpenMP threads, the longest first. An item's rows are its tokens
-// times the query heads of its KV head (about 96), so every key and value it reads serves all of
-// them; it walks the visible keys in blocks of 64: scores S = Q K^T and output O += P V as
-// 6 x 16 register tiles (the linear kernel's shape), an online softmax in between (running max
-// and sum per row), and the causal mask as a per-row count of visible keys, so the blocks past
-// every row's position are never computed.
+// head, block of query tokens), are shared out over the OpenMP threads, the longest first. An
+// item's rows are its tokens times the query heads of its KV head (about 96), so every key and
+// value it reads serves all of them; it walks the visible keys in blocks of 64: scores
+// S = Q K^T and output O += P V as 6 x 16 register tiles (the linear kernel's shape), an online
+// softmax in between (running max and sum per row), and the causal mask as a per-row count of
+// visible keys, so the blocks past every row's position are never computed. The softmax runs in
+// base 2 (the queries pre-scaled by log2(e)): each weight is one exp2_8, two thirds of exp8's
+// vector ops, and a masked key's -inf comes out of it as exactly 0.
 //
 // Built with cpu_kernels.cpp into one library by radixserve.model.kernels.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -23,8 +26,7 @@
 
 namespace {
 
-using radixserve::exp8;
-using radixserve::exp_approx;
+using radixserve::exp2_8;
 using radixserve::load8;
 using radixserve::store8;
 using radixserve::v8f;
@@ -139,11 +141,10 @@ void block_softmax(Scratch& w, int rows, int nk, int p0, int kb, int group) {
     }
     float mb = w.m[r];
     for (int i = 0; i < 8; ++i) mb = vm[i] > mb ? vm[i] : mb;
-    const float corr = w.m[r] == -INFINITY ? 0.f : exp_approx(w.m[r] - mb);
+    const float corr = w.m[r] == -INFINITY ? 0.f : std::exp2(w.m[r] - mb);
     v8f sum = zero;
     for (int j = 0; j < width; j += 8) {
-      const v8f x = load8(s + j);
-      const v8f p = x == ninf ? zero : exp8(x - mb);
+      const v8f p = exp2_8(load8(s + j) - mb);  // a masked key's -inf: 0
       store8(s + j, p);
       sum += p;
     }
@@ -159,11 +160,12 @@ void block_softmax(Scratch& w, int rows, int nk, int p0, int kb, int group) {
 void one_item(const Call& c, int h, int t0, Scratch& w) {
   const int nt = c.n - t0 < c.tokens_per_item ? c.n - t0 : c.tokens_per_item;
   const int rows = nt * c.group, d = c.d, dp = c.dp;
+  const float qscale = c.scale * 1.44269504088896341f;  // scores in base 2: softmax by exp2
   for (int t = 0; t < nt; ++t)
     for (int g = 0; g < c.group; ++g) {
       const float* qr = c.q + (int64_t)(t0 + t) * c.q_stride + (int64_t)(h * c.group + g) * d;
       float* dst = w.q.data() + (t * c.group + g) * d;
-      for (int i = 0; i < d; ++i) dst[i] = qr[i] * c.scale;
+      for (int i = 0; i < d; ++i) dst[i] = qr[i] * qscale;
     }
   std::fill(w.o.begin(), w.o.begin() + rows * dp, 0.f);
   std::fill(w.m.begin(), w.m.begin() + rows, -INFINITY);
