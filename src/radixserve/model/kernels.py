@@ -55,9 +55,7 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "cpu_kernels.cpp", CSRC / "prefill_attention.cpp", CSRC / "decode_layers.cpp")
-HEADERS = (
-    CSRC / "vec.h", CSRC / "decode_attention.h", CSRC / "linear_tile.h", CSRC / "rms_norm.h"
-)
+HEADERS = (CSRC / "vec.h", CSRC / "decode_attention.h", CSRC / "linear_tile.h", CSRC / "rms_norm.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 BUILD_TIMEOUT_S = 300
 
