@@ -30,7 +30,7 @@
 
 namespace {
 
-using radixserve::exp8;  // the vector type and exp shared with prefill_attention.cpp (vec.h)
+using radixserve::exp8;  // the vector type and exp shared with decode_attention.h (vec.h)
 using radixserve::exp_approx;
 using radixserve::kCols;  // the linear's tile and its packed blocks (linear_tile.h)
 using radixserve::kTilesOf;
