@@ -45,6 +45,26 @@ def test_linear_matches_f_linear(kernel, rows, out_features, in_features):
         kernel.linear(torch.randn(2, in_features + 1), packed)
 
 
+@pytest.mark.parametrize("rows", [0, 1, 5, 8, 9, 96, 97, 200])
+@pytest.mark.parametrize(("inter", "in_features"), [(1536, 576), (32, 50)])
+def test_linear_silu_matches_gate_and_up_apart(kernel, rows, inter, in_features):
+    """silu(gate) * up applied inside the fused gate/up linear (the engine's float32 MLP) equals
+    the linear followed by the activation, at row counts the passes split differently; a gate/up
+    weight not of whole 16-column blocks is refused."""
+    g = torch.Generator().manual_seed(rows + inter)
+    w = torch.randn(2 * inter, in_features, generator=g) / in_features**0.5
+    x = torch.randn(rows, in_features, generator=g) * 3  # silu far into both tails
+    packed = kernel.pack(w)
+    gate, up = torch.nn.functional.linear(x, w).chunk(2, dim=-1)
+    for threads in (1, 2, 3):
+        with torch_threads(threads):
+            out = kernel.linear_silu(x, packed)
+        torch.testing.assert_close(out, torch.nn.functional.silu(gate) * up, atol=1e-4, rtol=1e-4)
+    assert not kernel.fuses_silu(kernel.pack(torch.randn(2 * 24, 8)))
+    with pytest.raises(ValueError, match="linear_silu"):
+        kernel.linear_silu(torch.randn(2, 8), kernel.pack(torch.randn(2 * 24, 8)))
+
+
 def reference(q, k, v, contexts):
     """Per row: SDPA of its query heads over the K/V at its slots (GQA by repeating heads)."""
     rows, heads, dim = q.shape

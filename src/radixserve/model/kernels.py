@@ -24,7 +24,8 @@ deliver them.
   ``model/decode_step.py``): one parallel region for the whole step instead of 8 Python calls
   a layer; and a greedy row's argmax on one thread (``radixserve_argmax_f32``).
 - The small per-layer ops (rms_norm with the residual add, rope with the K/V store, silu(gate)
-  * up) in one call each, where PyTorch runs a few ops, each its own parallel region.
+  * up) in one call each, where PyTorch runs a few ops, each its own parallel region; in a
+  prefill silu(gate) * up runs inside the gate/up linear (``radixserve_linear_silu_f32``).
 All run on PyTorch's own OpenMP runtime (one thread pool). The maintained kernel packages on
 PyPI do not fit this install: intel-extension-for-pytorch's newest release (2.8) is built for
 torch 2.8, sgl-kernel's wheels are CUDA builds, and vLLM's CPU ops come with its whole engine.
@@ -116,6 +117,27 @@ class CpuKernels:
                 y.data_ptr(), torch.get_num_threads(),
             )  # fmt: skip
         return y
+
+    def linear_silu(self, x: torch.Tensor, gate_up: PackedWeight) -> torch.Tensor:
+        """``silu(x @ gate.T) * (x @ up.T)`` ``[rows, I]`` for ``x`` ``[rows, in]`` (float32) and
+        the gate and up weights packed as one ``[2I, in]`` (gate first; ``I`` a multiple of 16:
+        ``fuses_silu``): the gate/up product is never written out whole."""
+        x = x.contiguous()
+        rows, inter = x.shape[0], gate_up.out_features // 2
+        if x.shape[1] != gate_up.in_features or not self.fuses_silu(gate_up):
+            raise ValueError(f"linear_silu: input {tuple(x.shape)}, weight {gate_up.out_features}")
+        out = x.new_empty(rows, inter)
+        if rows:
+            self.lib.radixserve_linear_silu_f32(
+                x.data_ptr(), rows, gate_up.in_features, gate_up.data.data_ptr(), inter,
+                out.data_ptr(), torch.get_num_threads(),
+            )  # fmt: skip
+        return out
+
+    @staticmethod
+    def fuses_silu(gate_up: PackedWeight) -> bool:
+        """Whether ``linear_silu`` takes this gate/up weight (gate and up of whole 16s)."""
+        return gate_up.out_features % 32 == 0
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -298,6 +320,8 @@ def _bind(path: Path) -> CpuKernels:
     lib.radixserve_advise_huge_pages.argtypes = [_P, _I64]
     lib.radixserve_linear_f32.restype = None
     lib.radixserve_linear_f32.argtypes = [_P, _I, _I, _P, _I, _P, _I]
+    lib.radixserve_linear_silu_f32.restype = None
+    lib.radixserve_linear_silu_f32.argtypes = [_P, _I, _I, _P, _I, _P, _I]
     lib.radixserve_add_rms_norm_f32.restype = None
     lib.radixserve_add_rms_norm_f32.argtypes = [_P, _P, _P, _I, _I, _F, _P, _I]
     lib.radixserve_silu_mul_f32.restype = None

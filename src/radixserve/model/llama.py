@@ -219,7 +219,7 @@ class LlamaModel:
         v = qkv[:, k_end:].view(rows, a.num_kv_heads, a.head_dim)
         attn = self.backend.attend(q, kk, v, plan, kv, index)
         h = k.rms_norm(x, w.post_norm, eps, add=self.tp.all_reduce(w.o(attn)))  # x += o(attn)
-        return x.add_(self.tp.all_reduce(_mlp(w, h, k.silu_mul)))
+        return x.add_(self.tp.all_reduce(_mlp_kernels(w, h, k)))
 
     def _qk_norm(self, w: LayerWeights, qkv: torch.Tensor) -> torch.Tensor:
         """Qwen3's RMSNorm of each q and k head (before rotary), in place in ``qkv``."""
@@ -254,6 +254,16 @@ def _mlp(
         return w.moe(h, act)
     assert w.gate_up is not None and w.down is not None
     return w.down(act(w.gate_up(h)))
+
+
+def _mlp_kernels(w: LayerWeights, h: torch.Tensor, k: CpuKernels) -> torch.Tensor:
+    """``_mlp`` through our kernels: silu(gate) * up applied inside the gate/up linear where it
+    takes the weight (the [T, 2I] gate/up output never written out), else one call after it."""
+    gu = w.gate_up
+    if w.moe is None and gu is not None and gu.ours is not None and gu.bias is None:
+        if k.fuses_silu(gu.ours) and w.down is not None:
+            return w.down(k.linear_silu(h, gu.ours))
+    return _mlp(w, h, k.silu_mul)
 
 
 def _use_onednn(device: torch.device, dtype: torch.dtype) -> bool:

@@ -48,6 +48,19 @@ constexpr int kRowsPerPass = 96;
 constexpr const radixserve::tile_fn* kTiles = kTilesOf<false>;
 constexpr const radixserve::tile_fn* kStreamTiles = kTilesOf<true>;
 
+// y [rows][ncols] (row stride ldy) = x [rows][K] times one packed column block w [K][16]
+inline void block_rows(const float* xb, int rows, int K, const float* w, float* yb, int64_t ldy,
+                       int ncols) {
+  if (rows <= 8) {  // a decode step: every weight read once
+    kStreamTiles[rows](xb, w, K, yb, ldy, ncols, nullptr);
+    return;
+  }
+  int m = 0;
+  for (; m + 6 <= rows; m += 6)
+    linear_tile<6, false>(xb + (int64_t)m * K, w, K, yb + m * ldy, ldy, ncols, nullptr);
+  if (m < rows) kTiles[rows - m](xb + (int64_t)m * K, w, K, yb + m * ldy, ldy, ncols, nullptr);
+}
+
 // Rows split into chunks of keys computed as independent items, then each row's chunks merged
 // (decode_attention.h); one parallel region.
 template <int NC>
@@ -93,16 +106,38 @@ void radixserve_linear_f32(const float* x, int M, int K, const float* packed, in
     const float* xb = x + (int64_t)m0 * K;
 #pragma omp for schedule(static) nowait
     for (int b = 0; b < blocks; ++b) {
-      const float* w = packed + (int64_t)b * K * kCols;
       const int ncols = N - b * kCols < kCols ? N - b * kCols : kCols;
-      float* yb = y + (int64_t)m0 * N + b * kCols;
-      if (rows <= 8) {  // a decode step: every weight read once
-        kStreamTiles[rows](xb, w, K, yb, N, ncols, nullptr);
-        continue;
+      block_rows(xb, rows, K, packed + (int64_t)b * K * kCols, y + (int64_t)m0 * N + b * kCols, N,
+                 ncols);
+    }
+  }
+}
+
+// act [M, I] = silu(x Wg^T) * (x Wu^T), x [M, K] (contiguous), the gate and up weights packed
+// as one [2I/16][K][16] (gate's blocks first; I a multiple of 16). A thread computes gate block
+// j and up block I/16 + j for a pass's rows into two small buffers (in L1) and writes their
+// product: the [M, 2I] gate/up output is never written to memory nor read back.
+void radixserve_linear_silu_f32(const float* x, int M, int K, const float* packed, int I,
+                                float* act, int threads) {
+  const int blocks = I / kCols;
+  if (threads < 1) threads = 1;
+#pragma omp parallel num_threads(threads)
+  {
+    float g[kRowsPerPass * kCols], u[kRowsPerPass * kCols];
+    for (int m0 = 0; m0 < M; m0 += kRowsPerPass) {
+      const int rows = M - m0 < kRowsPerPass ? M - m0 : kRowsPerPass;
+      const float* xb = x + (int64_t)m0 * K;
+#pragma omp for schedule(static) nowait
+      for (int j = 0; j < blocks; ++j) {
+        block_rows(xb, rows, K, packed + (int64_t)j * K * kCols, g, kCols, kCols);
+        block_rows(xb, rows, K, packed + (int64_t)(blocks + j) * K * kCols, u, kCols, kCols);
+        for (int i = 0; i < rows; ++i)
+          for (int c = 0; c < kCols; c += 8) {
+            const v8f gi = load8(g + i * kCols + c);
+            store8(act + (int64_t)(m0 + i) * I + j * kCols + c,
+                   gi / (1.f + exp8(-gi)) * load8(u + i * kCols + c));
+          }
       }
-      int m = 0;
-      for (; m + 6 <= rows; m += 6) linear_tile<6, false>(xb + (int64_t)m * K, w, K, yb + (int64_t)m * N, N, ncols, nullptr);
-      if (m < rows) kTiles[rows - m](xb + (int64_t)m * K, w, K, yb + (int64_t)m * N, N, ncols, nullptr);
     }
   }
 }
