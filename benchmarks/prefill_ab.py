@@ -11,6 +11,8 @@ the same load; prints the medians and this tree's speed over the base's, round b
 The weights are packed once; the two revisions must share the packed layout.
 
     python benchmarks/prefill_ab.py --base 0c50320 [--rounds 7]
+    python benchmarks/prefill_ab.py --base HEAD --rounds 1 --prompt-len 40 --chunk 32 \
+        --batch 2 --context 16  # smoke
 """
 
 from __future__ import annotations
@@ -33,22 +35,29 @@ from linear_ab import build_base, once
 from radixserve.config import ModelConfig
 from radixserve.model.runner import TorchRunner
 
-CHUNKS = ((1024, 1024), (576, 1600))  # (queries, context) of a 1,600-token prompt's chunks
+
+def chunk_shapes(prompt_len: int, chunk: int) -> list[tuple[int, int]]:
+    """(queries, context) of each chunk of one prompt: (1024, 1024), (576, 1600) by default."""
+    return [(min(chunk, prompt_len - c0), min(prompt_len, c0 + chunk))
+            for c0 in range(0, prompt_len, chunk)]  # fmt: skip
 
 
-def attention_calls(runner: TorchRunner) -> dict[str, tuple]:
-    """The prefill attention kernel's two chunk shapes on random queries over the pool."""
+def attention_calls(runner: TorchRunner, args: argparse.Namespace) -> dict[str, tuple]:
+    """The prefill attention kernel on each chunk's shape, random queries over the pool."""
     a, k, v = runner.arch, runner.kv.kv[0, 0], runner.kv.kv[0, 1]  # layer 0's pool
     out = {}
-    for n, length in CHUNKS:
+    for n, length in chunk_shapes(args.prompt_len, args.chunk):
         q = torch.randn(n, a.num_heads, a.head_dim)
         out[f"attention {n}/{length}"] = (q, k, v, torch.arange(length), a.head_dim**-0.5)
     return out
 
 
-def one_round(runner: TorchRunner, libs: dict, order: list[str], times: dict) -> None:
-    chunks, batch = prefill_chunks(1600, 1024), decode_batch(8, 512, first=1600)
-    calls = attention_calls(runner)
+def one_round(
+    runner: TorchRunner, args: argparse.Namespace, libs: dict, order: list[str], times: dict
+) -> None:
+    chunks = prefill_chunks(args.prompt_len, args.chunk)
+    batch = decode_batch(args.batch, args.context, first=args.prompt_len)
+    calls = attention_calls(runner, args)
     for name in order:
         object.__setattr__(runner.kernels, "lib", libs[name])  # every holder shares the object
         for what, args in calls.items():
@@ -61,25 +70,32 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--base", required=True, help="git revision whose kernels to compare against")
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--prompt-len", type=int, default=1600)
+    p.add_argument("--chunk", type=int, default=1024, help="the server's chunk on a CPU")
+    p.add_argument("--batch", type=int, default=8, help="decode step: rows")
+    p.add_argument("--context", type=int, default=512, help="decode step: each row's context")
     args = p.parse_args()
     torch.set_grad_enabled(False)
-    runner = TorchRunner(ModelConfig(), num_slots=1600 + 8 * 512)
+    slots = args.prompt_len + args.batch * args.context
+    runner = TorchRunner(ModelConfig(), num_slots=slots)
     if runner.kernels is None:
         raise SystemExit("the CPU kernels did not build here")
     runner.kv.kv.normal_()
     print(machine_line())
+    print(f"workload: prefill 1 x {args.prompt_len} uncached tokens in chunks of {args.chunk}; "
+          f"decode step B={args.batch} at context {args.context}")  # fmt: skip
     print(f"{torch.get_num_threads()} threads, rounds {args.rounds}, base {args.base}; "
           f"load average {' '.join(f'{v:.2f}' for v in os.getloadavg())}", flush=True)  # fmt: skip
     times: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         libs = {"base": build_base(args.base, Path(tmp)).lib, "this": runner.kernels.lib}
-        whats = [f"attention {n}/{length}" for n, length in CHUNKS] + ["prefill", "decode step"]
+        whats = [*attention_calls(runner, args), "prefill", "decode step"]
         times = {(lib, w): [] for lib in libs for w in whats}
-        one_round(runner, libs, ["base", "this"], {k: [] for k in times})  # warm-up
+        one_round(runner, args, libs, ["base", "this"], {k: [] for k in times})  # warm-up
         for r in range(args.rounds):
-            one_round(runner, libs, ["base", "this"][:: 1 if r % 2 == 0 else -1], times)
+            one_round(runner, args, libs, ["base", "this"][:: 1 if r % 2 == 0 else -1], times)
     print(f"load average {' '.join(f'{v:.2f}' for v in os.getloadavg())} (after)")
-    fl = prefill_flops(runner, 1, 1600)
+    fl = prefill_flops(runner, 1, args.prompt_len)
     for what in whats:
         base, this = times[("base", what)], times[("this", what)]
         rates = " ".join(f"{b / t:.2f}" for b, t in zip(base, this))
