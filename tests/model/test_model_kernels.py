@@ -25,7 +25,8 @@ CPU = torch.device("cpu")
 def test_linear_matches_f_linear(kernel, rows, out_features, in_features):
     """Every row count the tiles split differently (1-8 in one pass, 6 at a time beyond, 96 per
     pass; each thread keeps its blocks over every pass, also with more threads than blocks),
-    widths that are not a multiple of the 16-column blocks: within float32 rounding."""
+    widths that are not a multiple of the 16-column blocks: within float32 rounding; the same
+    with the product added into a residual."""
     g = torch.Generator().manual_seed(rows * 7 + out_features)
     w = torch.randn(out_features, in_features, generator=g)
     x = torch.randn(rows, in_features, generator=g)
@@ -35,6 +36,11 @@ def test_linear_matches_f_linear(kernel, rows, out_features, in_features):
             y = kernel.linear(x, packed)
         assert y.shape == (rows, out_features)
         torch.testing.assert_close(y, torch.nn.functional.linear(x, w), atol=1e-4, rtol=1e-4)
+        # the residual form: y += x W^T in place, the add in the epilogue
+        res = torch.randn(rows, out_features, generator=g)
+        with torch_threads(threads):
+            out = kernel.linear_add(x, packed, res.clone())
+        torch.testing.assert_close(out, res + y, atol=1e-4, rtol=1e-4)
     # a strided input (a column slice) is made contiguous first
     wide = torch.randn(rows, in_features * 2, generator=g)
     torch.testing.assert_close(

@@ -118,6 +118,25 @@ class CpuKernels:
             )  # fmt: skip
         return y
 
+    def linear_add(self, x: torch.Tensor, w: PackedWeight, y: torch.Tensor) -> torch.Tensor:
+        """``y += x @ weight.T`` in place (``y`` ``[rows, out]`` contiguous float32), the add in
+        the linear's epilogue (``adds_in_linear``); returns ``y``."""
+        x = x.contiguous()
+        if x.shape[1] != w.in_features or y.shape != (x.shape[0], w.out_features):
+            raise ValueError(f"linear_add: input {tuple(x.shape)}, output {tuple(y.shape)}")
+        if not y.is_contiguous():
+            raise ValueError("linear_add: the output must be contiguous")
+        if x.shape[0]:
+            self.lib.radixserve_linear_add_f32(
+                x.data_ptr(), x.shape[0], w.in_features, w.data.data_ptr(), w.out_features,
+                y.data_ptr(), torch.get_num_threads(),
+            )  # fmt: skip
+        return y
+
+    def adds_in_linear(self) -> bool:
+        """Whether this library has ``linear_add`` (see ``fuses_silu``)."""
+        return hasattr(self.lib, "radixserve_linear_add_f32")
+
     def linear_silu(self, x: torch.Tensor, gate_up: PackedWeight) -> torch.Tensor:
         """``silu(x @ gate.T) * (x @ up.T)`` ``[rows, I]`` for ``x`` ``[rows, in]`` (float32) and
         the gate and up weights packed as one ``[2I, in]`` (gate first; ``I`` a multiple of 16:
@@ -134,10 +153,11 @@ class CpuKernels:
             )  # fmt: skip
         return out
 
-    @staticmethod
-    def fuses_silu(gate_up: PackedWeight) -> bool:
-        """Whether ``linear_silu`` takes this gate/up weight (gate and up of whole 16s)."""
-        return gate_up.out_features % 32 == 0
+    def fuses_silu(self, gate_up: PackedWeight) -> bool:
+        """Whether ``linear_silu`` takes this gate/up weight (gate and up of whole 16s) in this
+        library (one built from older sources, as ``benchmarks/prefill_ab.py`` swaps in, lacks
+        it: the MLP then runs the linear and ``silu_mul`` apart)."""
+        return gate_up.out_features % 32 == 0 and hasattr(self.lib, "radixserve_linear_silu_f32")
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -320,8 +340,10 @@ def _bind(path: Path) -> CpuKernels:
     lib.radixserve_advise_huge_pages.argtypes = [_P, _I64]
     lib.radixserve_linear_f32.restype = None
     lib.radixserve_linear_f32.argtypes = [_P, _I, _I, _P, _I, _P, _I]
-    lib.radixserve_linear_silu_f32.restype = None
-    lib.radixserve_linear_silu_f32.argtypes = [_P, _I, _I, _P, _I, _P, _I]
+    for name in ("radixserve_linear_silu_f32", "radixserve_linear_add_f32"):
+        if hasattr(lib, name):  # absent from older sources' builds
+            getattr(lib, name).restype = None
+            getattr(lib, name).argtypes = [_P, _I, _I, _P, _I, _P, _I]
     lib.radixserve_add_rms_norm_f32.restype = None
     lib.radixserve_add_rms_norm_f32.argtypes = [_P, _P, _P, _I, _I, _F, _P, _I]
     lib.radixserve_silu_mul_f32.restype = None

@@ -219,6 +219,8 @@ class LlamaModel:
         v = qkv[:, k_end:].view(rows, a.num_kv_heads, a.head_dim)
         attn = self.backend.attend(q, kk, v, plan, kv, index)
         h = k.rms_norm(x, w.post_norm, eps, add=self.tp.all_reduce(w.o(attn)))  # x += o(attn)
+        if self.tp.size == 1:  # the residual added inside the down linear
+            return _mlp_kernels(w, h, k, residual=x)
         return x.add_(self.tp.all_reduce(_mlp_kernels(w, h, k)))
 
     def _qk_norm(self, w: LayerWeights, qkv: torch.Tensor) -> torch.Tensor:
@@ -256,14 +258,23 @@ def _mlp(
     return w.down(act(w.gate_up(h)))
 
 
-def _mlp_kernels(w: LayerWeights, h: torch.Tensor, k: CpuKernels) -> torch.Tensor:
+def _mlp_kernels(
+    w: LayerWeights, h: torch.Tensor, k: CpuKernels, residual: torch.Tensor | None = None
+) -> torch.Tensor:
     """``_mlp`` through our kernels: silu(gate) * up applied inside the gate/up linear where it
-    takes the weight (the [T, 2I] gate/up output never written out), else one call after it."""
-    gu = w.gate_up
+    takes the weight (the [T, 2I] gate/up output never written out), else one call after it.
+    With ``residual``: ``residual += mlp(h)`` in place (inside the down linear where it can)."""
+    gu, down = w.gate_up, w.down
     if w.moe is None and gu is not None and gu.ours is not None and gu.bias is None:
-        if k.fuses_silu(gu.ours) and w.down is not None:
-            return w.down(k.linear_silu(h, gu.ours))
-    return _mlp(w, h, k.silu_mul)
+        if k.fuses_silu(gu.ours) and down is not None:
+            act = k.linear_silu(h, gu.ours)
+            if residual is not None and down.ours is not None and down.bias is None:
+                if k.adds_in_linear():
+                    return k.linear_add(act, down.ours, residual)
+            out = down(act)
+            return out if residual is None else residual.add_(out)
+    out = _mlp(w, h, k.silu_mul)
+    return out if residual is None else residual.add_(out)
 
 
 def _use_onednn(device: torch.device, dtype: torch.dtype) -> bool:

@@ -45,20 +45,40 @@ using radixserve::decode::Split;
 // ---- linear ------------------------------------------------------------------------------------
 constexpr int kRowsPerPass = 96;
 
-constexpr const radixserve::tile_fn* kTiles = kTilesOf<false>;
-constexpr const radixserve::tile_fn* kStreamTiles = kTilesOf<true>;
-
-// y [rows][ncols] (row stride ldy) = x [rows][K] times one packed column block w [K][16]
+// y [rows][ncols] (row stride ldy) (+)= x [rows][K] times one packed column block w [K][16]
+template <bool Acc = false>
 inline void block_rows(const float* xb, int rows, int K, const float* w, float* yb, int64_t ldy,
                        int ncols) {
   if (rows <= 8) {  // a decode step: every weight read once
-    kStreamTiles[rows](xb, w, K, yb, ldy, ncols, nullptr);
+    kTilesOf<true, Acc>[rows](xb, w, K, yb, ldy, ncols, nullptr);
     return;
   }
   int m = 0;
   for (; m + 6 <= rows; m += 6)
-    linear_tile<6, false>(xb + (int64_t)m * K, w, K, yb + m * ldy, ldy, ncols, nullptr);
-  if (m < rows) kTiles[rows - m](xb + (int64_t)m * K, w, K, yb + m * ldy, ldy, ncols, nullptr);
+    linear_tile<6, false, Acc>(xb + (int64_t)m * K, w, K, yb + m * ldy, ldy, ncols, nullptr);
+  if (m < rows)
+    kTilesOf<false, Acc>[rows - m](xb + (int64_t)m * K, w, K, yb + m * ldy, ldy, ncols, nullptr);
+}
+
+// y [M, N] (+)= x [M, K] (contiguous) times the packed weight's transpose: one parallel region
+// for every pass; a static schedule gives each thread the same blocks in every pass, so no
+// thread waits for another between passes (a wait that costs a whole time slice when the
+// partner thread is descheduled on a shared machine)
+template <bool Acc>
+void linear(const float* x, int M, int K, const float* packed, int N, float* y, int threads) {
+  const int blocks = (N + kCols - 1) / kCols;
+  if (threads < 1) threads = 1;
+#pragma omp parallel num_threads(threads)
+  for (int m0 = 0; m0 < M; m0 += kRowsPerPass) {
+    const int rows = M - m0 < kRowsPerPass ? M - m0 : kRowsPerPass;
+    const float* xb = x + (int64_t)m0 * K;
+#pragma omp for schedule(static) nowait
+    for (int b = 0; b < blocks; ++b) {
+      const int ncols = N - b * kCols < kCols ? N - b * kCols : kCols;
+      block_rows<Acc>(xb, rows, K, packed + (int64_t)b * K * kCols,
+                      y + (int64_t)m0 * N + b * kCols, N, ncols);
+    }
+  }
 }
 
 // Rows split into chunks of keys computed as independent items, then each row's chunks merged
@@ -95,22 +115,14 @@ void radixserve_pack_weight(const float* w, int N, int K, float* packed) {
 // y [M, N] = x [M, K] (contiguous) times the packed weight's transpose.
 void radixserve_linear_f32(const float* x, int M, int K, const float* packed, int N, float* y,
                            int threads) {
-  const int blocks = (N + kCols - 1) / kCols;
-  if (threads < 1) threads = 1;
-  // one parallel region for every pass: a static schedule gives each thread the same blocks in
-  // every pass, so no thread waits for another between passes (a wait that costs a whole time
-  // slice when the partner thread is descheduled on a shared machine)
-#pragma omp parallel num_threads(threads)
-  for (int m0 = 0; m0 < M; m0 += kRowsPerPass) {
-    const int rows = M - m0 < kRowsPerPass ? M - m0 : kRowsPerPass;
-    const float* xb = x + (int64_t)m0 * K;
-#pragma omp for schedule(static) nowait
-    for (int b = 0; b < blocks; ++b) {
-      const int ncols = N - b * kCols < kCols ? N - b * kCols : kCols;
-      block_rows(xb, rows, K, packed + (int64_t)b * K * kCols, y + (int64_t)m0 * N + b * kCols, N,
-                 ncols);
-    }
-  }
+  linear<false>(x, M, K, packed, N, y, threads);
+}
+
+// y [M, N] += x [M, K] W^T: a residual added in the linear's epilogue (no output tensor, no
+// separate add over it).
+void radixserve_linear_add_f32(const float* x, int M, int K, const float* packed, int N,
+                               float* y, int threads) {
+  linear<true>(x, M, K, packed, N, y, threads);
 }
 
 // act [M, I] = silu(x Wg^T) * (x Wu^T), x [M, K] (contiguous), the gate and up weights packed
