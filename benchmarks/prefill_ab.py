@@ -10,7 +10,7 @@ chunks (as ``cpu_limits.py``), and a decode step at batch 8 (context 512). Both 
 the same load; prints the medians and this tree's speed over the base's, round by round.
 The weights are packed once; the two revisions must share the packed layout.
 
-    python benchmarks/prefill_ab.py --base 0c50320 [--rounds 7]
+    python benchmarks/prefill_ab.py --base 0c50320 [--rounds 7] [--threads 1]
     python benchmarks/prefill_ab.py --base HEAD --rounds 1 --prompt-len 40 --chunk 32 \
         --batch 2 --context 16  # smoke
 """
@@ -74,10 +74,13 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=1024, help="the server's chunk on a CPU")
     p.add_argument("--batch", type=int, default=8, help="decode step: rows")
     p.add_argument("--context", type=int, default=512, help="decode step: each row's context")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's own count)")
     args = p.parse_args()
     torch.set_grad_enabled(False)
     slots = args.prompt_len + args.batch * args.context
     runner = TorchRunner(ModelConfig(), num_slots=slots)
+    if args.threads:  # after the runner, which sets its own; 1: steadier where a job holds a core
+        torch.set_num_threads(args.threads)
     if runner.kernels is None:
         raise SystemExit("the CPU kernels did not build here")
     runner.kv.kv.normal_()
