@@ -25,7 +25,8 @@ deliver them.
   a layer; and a greedy row's argmax on one thread (``radixserve_argmax_f32``).
 - The small per-layer ops (rms_norm with the residual add, rope with the K/V store, silu(gate)
   * up) in one call each, where PyTorch runs a few ops, each its own parallel region; in a
-  prefill silu(gate) * up runs inside the gate/up linear (``radixserve_linear_silu_f32``).
+  prefill silu(gate) * up runs inside the gate/up linear (``radixserve_linear_silu_f32``) and
+  the residual add inside the down linear (``radixserve_linear_add_f32``).
 All run on PyTorch's own OpenMP runtime (one thread pool). The maintained kernel packages on
 PyPI do not fit this install: intel-extension-for-pytorch's newest release (2.8) is built for
 torch 2.8, sgl-kernel's wheels are CUDA builds, and vLLM's CPU ops come with its whole engine.
