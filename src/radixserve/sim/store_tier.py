@@ -17,7 +17,7 @@ from radixserve.sim.tiers import Landing
 class StoreTier:
     """ClusterSim's store-tier methods (state lives on ClusterSim)."""
 
-    def _store_lookup(self, rid: str, ids: list[int]) -> int:
+    def _store_lookup(self, rid: str, ids: array) -> int:
         """Leading prompt tokens the store holds (whole blocks, never the last token), told to
         kv_aware as loadable by every engine."""
         store = self.store
