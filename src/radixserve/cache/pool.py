@@ -149,9 +149,10 @@ class SlotAllocator:
 
     def _iota_to(self, n: int) -> None:
         have = len(self._iota) // _W
-        if have < n:  # grown by an eighth at least: a pool filled a few pages at a time (the
-            # host tier) builds its ids in a few dozen calls, not one per allocation
-            n = min(max(n, have + (have >> 3) + IOTA_MIN_GROWTH), self.num_pages * self.page_size)
+        if have < n:  # doubled at least: a pool filled a few pages at a time (the host tier)
+            # builds its ids in a few calls, not one per allocation (by an eighth, the small
+            # pieces and the copies of the bytes so far cost 4x building them at once)
+            n = min(max(n, 2 * have + IOTA_MIN_GROWTH), self.num_pages * self.page_size)
             self._iota += slot_iota(have, n)
 
     def _gather(self, pages: array, n: int) -> array:
