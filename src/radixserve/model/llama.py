@@ -269,7 +269,7 @@ def _mlp_kernels(
         if k.fuses_silu(gu.ours) and down is not None:
             act = k.linear_silu(h, gu.ours)
             if residual is not None and down.ours is not None and down.bias is None:
-                if k.adds_in_linear():
+                if residual.is_contiguous() and k.adds_in_linear():
                     return k.linear_add(act, down.ours, residual)
             out = down(act)
             return out if residual is None else residual.add_(out)
