@@ -245,8 +245,12 @@ class SlotAllocator:
         if not all(map(in_use.__getitem__, pages)):  # C-level scan
             bad = next(pg for pg in pages if not in_use[pg])
             raise SlotError(f"double free, or free of a never-allocated slot (page {bad})")
-        self._mark(pages, 0)
-        self._push_free(pages)
+        if type(pages) is list:  # pages of many slots, scattered: flags one by one
+            for page in pages:
+                in_use[page] = 0
+        else:
+            self._mark(pages, 0)
+        self._push_free(array(SLOT_CODE, pages))
 
     def _free_run(self, slots: Sequence[int]) -> bool:
         """Free ``slots`` at C speed if they are one ascending run of pages from a page's first
@@ -272,15 +276,16 @@ class SlotAllocator:
         self._free_buf[n : n + len(pages)] = pages  # same length: a copy in place
         self._nfree = n + len(pages)
 
-    def _pages_of(self, slots: Sequence[int]) -> array:
-        """The distinct pages of ``slots``, ascending, as an array."""
+    def _pages_of(self, slots: Sequence[int]) -> array | list[int]:
+        """The distinct pages of ``slots``, ascending: an array at page size 1 (``_mark`` finds
+        its runs), else a list (the checks and flags share its ints: no int made per pass)."""
         p = self.page_size
         if p == 1:
             return array(SLOT_CODE, sorted(set(slots)))
         pages: Iterable[int] | None = self._whole_pages(slots)
         if pages is None:
             pages = map(floordiv, slots, repeat(p))  # one int object per slot
-        return array(SLOT_CODE, sorted(set(pages)))
+        return sorted(set(pages))
 
     def _whole_pages(self, slots: Sequence[int]) -> list[int] | None:
         """The page of each ``p``-th slot, when ``slots`` are pages each from its first slot on
