@@ -276,6 +276,8 @@ class StepTimer:
         # a percent to spare the rounded b beats the rounded f too, and max() needs no f
         if kvb * tp * compute > 2.01 * memory * half:  # (then kvb > 0)
             reads = range(kvb * (total + n), kvb * (last + n), kvb * n)  # kvb * (s + n) a step
+            if not allreduce:  # one GPU: adding 0.0 leaves a positive float as it is
+                return [linear + b / memory + overhead for b in reads]
             return [linear + b / memory + allreduce + overhead for b in reads]
         out = []
         append = out.append
