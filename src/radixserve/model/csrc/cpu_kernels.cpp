@@ -34,6 +34,7 @@ using radixserve::exp8;  // the vector type and exp shared with decode_attention
 using radixserve::exp_approx;
 using radixserve::kCols;  // the linear's tile and its packed blocks (linear_tile.h)
 using radixserve::kTilesOf;
+using radixserve::silu_mul_block;
 using radixserve::linear_tile;
 using radixserve::load8;
 using radixserve::store8;
@@ -143,12 +144,7 @@ void radixserve_linear_silu_f32(const float* x, int M, int K, const float* packe
       for (int j = 0; j < blocks; ++j) {
         block_rows(xb, rows, K, packed + (int64_t)j * K * kCols, g, kCols, kCols);
         block_rows(xb, rows, K, packed + (int64_t)(blocks + j) * K * kCols, u, kCols, kCols);
-        for (int i = 0; i < rows; ++i)
-          for (int c = 0; c < kCols; c += 8) {
-            const v8f gi = load8(g + i * kCols + c);
-            store8(act + (int64_t)(m0 + i) * I + j * kCols + c,
-                   gi / (1.f + exp8(-gi)) * load8(u + i * kCols + c));
-          }
+        silu_mul_block(g, u, rows, act + (int64_t)m0 * I + j * kCols, I);
       }
     }
   }

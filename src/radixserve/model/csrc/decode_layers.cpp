@@ -26,9 +26,9 @@
 
 namespace {
 
-using radixserve::exp8;
 using radixserve::kCols;  // the linear's tile and its packed blocks (linear_tile.h)
 using radixserve::kTilesOf;
+using radixserve::silu_mul_block;
 using radixserve::load8;
 using radixserve::store8;
 using radixserve::v8f;
@@ -75,12 +75,7 @@ void gate_up_act(const float* x, int M, int K, const float* packed, int I, float
       kTilesOf<true, false>[r](xm, packed + (int64_t)j * K * kCols, K, g, kCols, kCols, nullptr);
       kTilesOf<true, false>[r](xm, packed + (int64_t)(blocks + j) * K * kCols, K, u, kCols, kCols,
                          nullptr);
-      for (int i = 0; i < r; ++i)
-        for (int c = 0; c < kCols; c += 8) {
-          const v8f gi = load8(g + i * kCols + c);
-          store8(act + (int64_t)(m + i) * I + j * kCols + c,
-                 gi / (1.f + exp8(-gi)) * load8(u + i * kCols + c));
-        }
+      silu_mul_block(g, u, r, act + (int64_t)m * I + j * kCols, I);
     }
   }
 }

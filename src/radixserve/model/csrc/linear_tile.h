@@ -47,6 +47,18 @@ void linear_tile(const float* __restrict x, const float* __restrict w, int K,
   }
 }
 
+// act [rows][16] (row stride lda) = silu(g) * u over one column block's gate and up tiles, each
+// [rows][16] contiguous: the epilogue of a gate/up linear with the activation inside it (the
+// decode step's and the prefill's), so the [rows, 2I] gate/up product is never written out
+inline void silu_mul_block(const float* g, const float* u, int rows, float* act,
+                           int64_t lda) {
+  for (int i = 0; i < rows; ++i)
+    for (int c = 0; c < kCols; c += 8) {
+      const v8f gi = load8(g + i * kCols + c);
+      store8(act + i * lda + c, gi / (1.f + exp8(-gi)) * load8(u + i * kCols + c));
+    }
+}
+
 typedef void (*tile_fn)(const float*, const float*, int, float*, int64_t, int, const float*);
 
 // linear_tile for 1..8 rows, by row count
