@@ -60,8 +60,8 @@ def one_round(
     calls = attention_calls(runner, args)
     for name in order:
         object.__setattr__(runner.kernels, "lib", libs[name])  # every holder shares the object
-        for what, args in calls.items():
-            times[(name, what)].append(once(lambda a=args: runner.kernels.prefill_attention(*a)))
+        for what, call in calls.items():
+            times[(name, what)].append(once(lambda a=call: runner.kernels.prefill_attention(*a)))
         times[(name, "prefill")].append(once(lambda: run_all(runner, chunks)))
         times[(name, "decode step")].append(min(once(lambda: runner.run(batch)) for _ in range(3)))
 
@@ -92,7 +92,8 @@ def main() -> None:
     times: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         libs = {"base": build_base(args.base, Path(tmp)).lib, "this": runner.kernels.lib}
-        whats = [*attention_calls(runner, args), "prefill", "decode step"]
+        shapes = chunk_shapes(args.prompt_len, args.chunk)
+        whats = [*(f"attention {n}/{length}" for n, length in shapes), "prefill", "decode step"]
         times = {(lib, w): [] for lib in libs for w in whats}
         one_round(runner, args, libs, ["base", "this"], {k: [] for k in times})  # warm-up
         for r in range(args.rounds):
