@@ -191,7 +191,7 @@ class SlotAllocator:
             return self._ids(lo * p, lo * p + n)
         return self._gather(pages, n)
 
-    def _mark(self, pages: array, flag: int) -> None:
+    def _mark(self, pages: array | list[int], flag: int) -> None:
         """Set the in-use flag of ``pages``: one slice if they are one ascending run; else, at
         page size > 1 or for a few pages, one flag at a time (scattered pages freed by
         eviction: looking for runs among them cost 4-8x the loop); at page size 1, one slice
@@ -245,11 +245,7 @@ class SlotAllocator:
         if not all(map(in_use.__getitem__, pages)):  # C-level scan
             bad = next(pg for pg in pages if not in_use[pg])
             raise SlotError(f"double free, or free of a never-allocated slot (page {bad})")
-        if type(pages) is list:  # pages of many slots, scattered: flags one by one
-            for page in pages:
-                in_use[page] = 0
-        else:
-            self._mark(pages, 0)
+        self._mark(pages, 0)
         self._push_free(array(SLOT_CODE, pages))
 
     def _free_run(self, slots: Sequence[int]) -> bool:
