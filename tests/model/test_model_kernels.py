@@ -84,7 +84,10 @@ def reference(q, k, v, contexts):
 
 
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 8, 128), (4, 1, 32), (6, 2, 80)]
+    ("heads", "kv_heads", "dim"),
+    # groups of 3 (scored together), 1, 4 (3 + 1), 2 and 7 (3 + 3 + 1); head dims in and out of
+    # the compiled sizes
+    [(9, 3, 64), (8, 8, 128), (4, 1, 32), (6, 2, 80), (8, 4, 64), (14, 2, 128)],
 )
 @pytest.mark.parametrize("threads", [1, 2])
 def test_kernel_matches_sdpa_over_scattered_slots(kernel, heads, kv_heads, dim, threads):
