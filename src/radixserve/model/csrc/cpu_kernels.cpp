@@ -54,9 +54,12 @@ inline void block_rows(const float* xb, int rows, int K, const float* w, float* 
     kTilesOf<true, Acc>[rows](xb, w, K, yb, ldy, ncols, nullptr);
     return;
   }
+  // each 6-row tile asks for the block's lines 128 ahead into L2 (linear_tile.h): the first
+  // tile of a pass streams the block from L3 or memory, the rest find it in cache and lose
+  // little to the hints; 1.06-1.09x on a prefill of SmolLM2 (a Zen 4 EPYC, two threads)
   int m = 0;
   for (; m + 6 <= rows; m += 6)
-    linear_tile<6, false, Acc>(xb + (int64_t)m * K, w, K, yb + m * ldy, ldy, ncols, nullptr);
+    linear_tile<6, true, Acc>(xb + (int64_t)m * K, w, K, yb + m * ldy, ldy, ncols, nullptr);
   if (m < rows)
     kTilesOf<false, Acc>[rows - m](xb + (int64_t)m * K, w, K, yb + m * ldy, ldy, ncols, nullptr);
 }
