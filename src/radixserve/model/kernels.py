@@ -14,7 +14,9 @@ deliver them.
   ``radixserve_decode_attention_f32`` reads the pool in place by slot, one call per layer: each
   row's keys split into chunks (about 4 work items per thread), every head of a chunk together
   so each slot's K/V rows are read whole (scattered slots cost what contiguous ones do), the
-  chunks merged by their log-sum-exps.
+  chunks merged by their log-sum-exps; each block's K/V rows asked for 64 keys ahead into L2,
+  and (under AVX-512) the query heads that share a KV head scored against one load of it (a
+  decode step of SmolLM2 at B=8 on a Zen 4 EPYC: 41 -> 29 ms with the linears' L2 prefetch).
 - Prefill attention: PyTorch's CPU flash kernel computes a chunk on a cached context as a
   whole masked rectangle and, with head dim 64, at about half the linears' FLOP rate;
   ``radixserve_prefill_attention_f32`` reads the context from the pool by slot, skips the

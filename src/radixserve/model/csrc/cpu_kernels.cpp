@@ -56,7 +56,8 @@ inline void block_rows(const float* xb, int rows, int K, const float* w, float* 
   }
   // each 6-row tile asks for the block's lines 128 ahead into L2 (linear_tile.h): the first
   // tile of a pass streams the block from L3 or memory, the rest find it in cache and lose
-  // little to the hints; 1.06-1.09x on a prefill of SmolLM2 (a Zen 4 EPYC, two threads)
+  // little to the hints. A prefill of SmolLM2 on a Zen 4 EPYC, two threads: 1.02x alternated
+  // in one process with the tree before (rounds 0.96-1.09x), 1.06-1.09x in separate ones
   int m = 0;
   for (; m + 6 <= rows; m += 6)
     linear_tile<6, true, Acc>(xb + (int64_t)m * K, w, K, yb + m * ldy, ldy, ncols, nullptr);
