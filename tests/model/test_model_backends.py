@@ -156,9 +156,14 @@ def test_cpu_backends_match_the_reference(tiny, dtype, backend):
         )  # fmt: skip
     )
     assert ref[0].std() > 0.1, "logits too flat for the comparison to mean anything"
-    tol = 1e-4 if dtype == "float32" else 5e-2
+    # bfloat16: the paths round differently (on a CPU with AVX512_BF16, PyTorch's native bf16
+    # matmuls left single logits 0.06-0.08 apart, of a spread of 1.45, the mean gap 0.01); a
+    # wrong prefix or slot moves every logit, so the mean gap is held tight beside the largest
+    tol = 1e-4 if dtype == "float32" else 0.2
     for step, (a, b) in enumerate(zip(ours, ref, strict=True)):
-        torch.testing.assert_close(a, b, atol=tol, rtol=tol, msg=f"step {step}")
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol / 4, msg=f"step {step}")
+        if dtype != "float32":
+            assert (a - b).abs().mean() < 0.03, f"step {step}: mean gap {(a - b).abs().mean()}"
 
 
 def changing_batches(runner: TorchRunner) -> list[torch.Tensor]:
