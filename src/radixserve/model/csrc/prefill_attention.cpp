@@ -225,6 +225,7 @@ void one_item(const Call& c, int h, int t0, Scratch& w) {
     const int nk = end - kb < kKeys ? end - kb : kKeys;
     for (int g = 0; g * kLane < nk; ++g) {  // rows before r0 see none of the group's keys
       const int r0 = std::max(0, (kb + g * kLane - p0) * c.group);
+      if (r0 >= rows) break;  // no row of this item sees this group or any after it yet
       tiles<false>(w.q.data() + r0 * d, d, kt + (int64_t)(kb / kLane + g) * d * kLane, kLane, d,
                    w.s.data() + r0 * kKeys + g * kLane, kKeys, nullptr, rows - r0);
     }
