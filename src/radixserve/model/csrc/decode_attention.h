@@ -26,13 +26,14 @@ namespace decode {
 constexpr int kKeys = 32;        // keys scored per pass (a multiple of 8)
 constexpr int64_t kMinChunk = 64;  // fewest keys a work item takes
 // keys ahead whose K and V rows are asked for while a block is scored, into L2 (locality 1):
-// the hardware prefetcher alone left one thread reading a pool of B=8 x 512 keys x 30 layers at
-// 7 GB/s on a Zen 4 EPYC and a step's attention at 17.6 ms; prefetched 64 keys ahead, 9.5-10 ms
-// (into L1, locality 3, it was slower than none)
+// with the hardware prefetcher alone one thread read a step's pool (B=8 x 512 keys x 30 layers
+// of SmolLM2) at about 7 GB/s on a Zen 4 EPYC, a third of a plain read's rate; into L1
+// (locality 3) it was slower than no prefetch at all
 constexpr int kPrefetchKeys = 64;
 // query heads scored together against one load of their shared KV head's rows: 3 needs 24
-// accumulators, which AVX-512's 32 vector registers hold (AVX2's 16 do not); in cache this
-// took a step's attention from 10 to 6.6 ms on one thread
+// accumulators, which AVX-512's 32 vector registers hold (AVX2's 16 do not). With the prefetch:
+// that step's attention 27-29 -> 15-16 ms (`benchmarks/engine_attention.py --batches 8
+// --contexts 512 --layers 30`, cpu-paged, two threads)
 #ifdef __AVX512F__
 constexpr int kGroup = 3;
 #else
@@ -184,9 +185,9 @@ void attend_chunk(const float* __restrict q, const float* k, const float* v,
       bool first = true;
       for (int hq = h * group; hq < (h + 1) * group;) {
         const int g = (h + 1) * group - hq < kGroup ? (h + 1) * group - hq : kGroup;
-        if (g == 3)
+        if (kGroup >= 3 && g == 3)  // (never under AVX2, where kGroup is 1)
           head_block<NC, 3>(q, d, kr, vr, nb, scale, s, m, l, o, hq, kpf, vpf, first ? npf : 0);
-        else if (g == 2)
+        else if (kGroup >= 2 && g == 2)
           head_block<NC, 2>(q, d, kr, vr, nb, scale, s, m, l, o, hq, kpf, vpf, first ? npf : 0);
         else
           head_block<NC, 1>(q, d, kr, vr, nb, scale, s, m, l, o, hq, kpf, vpf, first ? npf : 0);

@@ -13,10 +13,12 @@ constexpr int kCols = 16;  // columns per packed block
 
 // A decode step's few rows (up to 8) stream the weights from memory at 16 multiply-adds per
 // cache line: with Prefetch each line is asked for 128 lines ahead, into L2 (locality 1); the
-// many-row path reuses each block from cache and goes without. The hardware prefetcher alone
+// many-row path's 6-row tiles ask too (the first tile of a pass streams the block, the others
+// find it in cache), its last few rows do not. The hardware prefetcher alone
 // left one thread at 6.5 GB/s on a Zen 2-era EPYC, 8.6 GB/s with a prefetch into L1 64 lines
-// ahead; on a Zen 4 EPYC the L1 prefetch held 8 rows at 11-16 GB/s a thread, into L2 128 lines
-// ahead 19-20 GB/s (a decode step of SmolLM2 at B=8: 44 -> 28-30 ms with the attention's).
+// ahead; on a Zen 4 EPYC, one thread over SmolLM2's 538 MB at 8 rows, into L1 64 ahead
+// 16.4-17.0 GB/s, into L2 128 ahead 24.4-24.5 (`benchmarks/engine_kernels.py --rows 8
+// --num-threads 1`).
 constexpr int kPrefetchAhead = 128 * kCols;  // floats
 
 // R rows x ncols (<= 16) columns of y from R rows of x [R][K] and one packed block w [K][16]:
